@@ -1,0 +1,35 @@
+"""KL-to-reference estimators (ALGORITHMS.md section 2). Registry: KL_ESTIMATORS.
+
+`fn(cur: PolicyOutput, ref: PolicyOutput) -> kl [n, A]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmrl.registry import Registry
+
+KL_ESTIMATORS = Registry("KL estimator")
+
+
+@KL_ESTIMATORS.register("k1")
+def k1(cur, ref):
+    """k1 = logp - logp_ref (unbiased, high variance)."""
+    return cur.log_prob - ref.log_prob
+
+
+@KL_ESTIMATORS.register("k3")
+def k3(cur, ref):
+    """k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1 (Schulman's low-variance, non-negative estimator)."""
+    d = ref.log_prob - cur.log_prob
+    return torch.exp(d) - d - 1
+
+
+@KL_ESTIMATORS.register("flow_mean")
+def flow_mean(cur, ref):
+    """Closed-form KL between the two Gaussian steps with a shared std: mean_dims((mu - mu_ref)^2) / (2 std^2).
+
+    std is the full step std s*sqrt(-dt) (the exact KL); Flow-GRPO's SD3 code divides by s^2 only (dt dropped),
+    which only rescales beta per step. Needs stats "mean" [n, A, *D] and "std" [n, A]."""
+    d2 = (cur.stats["mean"] - ref.stats["mean"]).pow(2).flatten(2).mean(-1)  # [n, A]
+    return d2 / (2 * cur.stats["std"].pow(2).clamp(min=1e-12))

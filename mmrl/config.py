@@ -1,0 +1,248 @@
+"""Typed config: nested dataclasses are the single schema; YAML files are short overrides; `key=value` on the
+command line overrides both. Unknown keys and invalid values fail with a message that names the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False         # LoRA via peft (the default for real checkpoints); False = full fine-tuning
+    rank: int = 32
+    alpha: int = 64
+    # Flow-GRPO's SD3 targets: the joint attention projections of every MMDiT block.
+    target_modules: list[str] = field(default_factory=lambda: [
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"])
+
+
+@dataclass
+class ModelConfig:
+    policy: str = "flow"          # policy registry key (mmrl.policy.POLICIES)
+    path: str = "tasks/assets/shapes-base"  # diffusers SD3 pipeline folder or mmrl pixel-model folder
+    dtype: str = "float32"        # float32 | bfloat16 (transformer weights; the SDE math is always fp32)
+    device: str = "auto"          # auto = cuda if available else cpu
+    sample_size: int | None = None  # latent size override for SD3 pipelines (e.g. 64 = 512 px)
+    reference: str = "auto"       # KL reference: auto (adapters off with LoRA, else frozen copy) | none
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class SamplerConfig:
+    kind: str = "flow_grpo"       # flow_grpo | dance | cps (ALGORITHMS.md 1); ode is evaluation only
+    num_steps: int = 10           # training-time denoising steps (Flow-GRPO: ~10 for training)
+    noise_level: float = 0.7      # a: 0.7 SD3 (Flow-GRPO), 0.9 FLUX; DanceGRPO eta 0.3; CPS a
+    cfg_scale: float = 4.0        # CFG in sampling AND in the log-prob recomputation (same scale)
+    shift: float = 1.0            # FlowMatchEulerDiscreteScheduler shift (SD3: 3.0)
+    sde_window_size: int = 0      # SDE on a window of this many steps, ODE elsewhere; 0 = every trainable step
+    sde_window_range: list[int] = field(default_factory=lambda: [0, -1])  # [lo, hi) window starts; -1 = last step
+    logprob_reduce: str = "mean"  # mean over latent elements (Flow-GRPO reference) | sum (joint density)
+    eval_steps: int = 16          # ODE steps for evaluation
+    eval_cfg_scale: float = 4.0
+
+
+@dataclass
+class TaskConfig:
+    name: str = "shapes"          # task registry key (mmrl.task.TASKS)
+    split: str = "train"          # texts GRPO trains on (shapes: train texts; held-out never seen)
+    prompt_file: str | None = None  # for name=prompt_file: one prompt per line
+    eval_split: str = "heldout"
+    eval_prompts: int = 240       # held-out evaluation prompts (balanced over categories)
+
+
+@dataclass
+class RewardConfig:
+    name: str = "shapes"          # reward registry key (mmrl.reward.REWARDS)
+    kwargs: dict = field(default_factory=dict)
+    on_error: str = "skip"        # skip: a sample whose reward raises / is NaN is counted and excluded | raise
+
+
+@dataclass
+class AlgoConfig:
+    advantage: str = "grpo"       # ADVANTAGES key
+    global_std: bool = False      # normalize by the batch std instead of the group std
+    adv_eps: float = 1e-4
+    adv_clip: float = 5.0         # |A| <= 5 (Flow-GRPO)
+    policy_loss: str = "ppo_clip"  # POLICY_LOSSES key
+    clip_range: float = 1e-4      # Flow-GRPO SD3 with mean-reduced log-probs: 1e-4
+    clip_range_high: float | None = None  # DAPO clip-higher; None = clip_range
+    loss_agg: str = "seq_mean_token_mean"  # LOSS_AGG key
+    kl: str = "flow_mean"         # KL_ESTIMATORS key (used when kl_coef > 0)
+    kl_coef: float = 0.0          # beta; Flow-GRPO GenEval: 0.004 .. 0.04; GRPO-Guard: 0
+    weighting: str = "none"       # WEIGHTINGS key
+    ratio: str = "none"           # RATIO_TRANSFORMS key
+
+
+@dataclass
+class TrainConfig:
+    iterations: int = 100
+    prompts_per_iter: int = 8     # B
+    group_size: int = 8           # G
+    inner_epochs: int = 1
+    minibatches: int = 1          # minibatches per epoch (optimizer steps = minibatches / grad_accum)
+    grad_accum: int = 1
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    ema_decay: float = 0.0        # 0 = off; else EMA of trainable weights, used for eval and saved
+    seed: int = 0
+    threads: int = 0              # torch CPU threads; 0 = leave torch's default
+    time_budget_min: float = 0.0  # stop after this many minutes of training (0 = no limit)
+
+
+@dataclass
+class LogConfig:
+    out_dir: str = "runs/shapes_grpo"
+    tensorboard: bool = True
+    image_every: int = 10         # iterations between image grids
+    save_every: int = 20          # iterations between checkpoints (and one at the end)
+    eval_every: int = 0           # iterations between held-out evals (0 = at start and end only)
+    eval_at_start: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def validate(self) -> "Config":
+        """Check values and registry keys; raise ValueError naming the key and the fix."""
+        from mmrl.algorithms import ADVANTAGES, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES, RATIO_TRANSFORMS, WEIGHTINGS
+        from mmrl.policy import POLICIES
+        from mmrl.reward import REWARDS
+        from mmrl.task import TASKS
+
+        POLICIES.check(self.model.policy, "model.policy")
+        TASKS.check(self.task.name, "task.name")
+        REWARDS.check(self.reward.name, "reward.name")
+        ADVANTAGES.check(self.algo.advantage, "algo.advantage")
+        POLICY_LOSSES.check(self.algo.policy_loss, "algo.policy_loss")
+        LOSS_AGG.check(self.algo.loss_agg, "algo.loss_agg")
+        KL_ESTIMATORS.check(self.algo.kl, "algo.kl")
+        WEIGHTINGS.check(self.algo.weighting, "algo.weighting")
+        RATIO_TRANSFORMS.check(self.algo.ratio, "algo.ratio")
+        _choice("sampler.kind", self.sampler.kind, ("flow_grpo", "dance", "cps"))
+        _choice("sampler.logprob_reduce", self.sampler.logprob_reduce, ("mean", "sum"))
+        _choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
+        _choice("model.reference", self.model.reference, ("auto", "none"))
+        _choice("reward.on_error", self.reward.on_error, ("skip", "raise"))
+        t = self.train
+        if t.group_size < 2:
+            raise ValueError(f"train.group_size={t.group_size}: group-relative advantages need >= 2 samples per group")
+        for k in ("iterations", "prompts_per_iter", "inner_epochs", "minibatches", "grad_accum"):
+            if getattr(t, k) < 1:
+                raise ValueError(f"train.{k} must be >= 1, got {getattr(t, k)}")
+        n = t.prompts_per_iter * t.group_size
+        if n % t.minibatches:
+            raise ValueError(f"train.minibatches={t.minibatches} must divide prompts_per_iter * group_size = {n}")
+        if t.minibatches % t.grad_accum:
+            raise ValueError(f"train.grad_accum={t.grad_accum} must divide train.minibatches={t.minibatches}")
+        if not 0 <= t.ema_decay < 1:
+            raise ValueError(f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
+        if self.algo.clip_range <= 0:
+            raise ValueError(f"algo.clip_range must be > 0, got {self.algo.clip_range}")
+        if self.algo.kl_coef > 0 and self.model.reference == "none":
+            raise ValueError("algo.kl_coef > 0 needs a reference model: set model.reference=auto or algo.kl_coef=0")
+        s = self.sampler
+        if s.num_steps < 2:
+            raise ValueError(f"sampler.num_steps must be >= 2 (the last step is never trained), got {s.num_steps}")
+        if s.sde_window_size < 0 or s.sde_window_size > s.num_steps - 1:
+            raise ValueError(f"sampler.sde_window_size must be in [0, num_steps - 1 = {s.num_steps - 1}], "
+                             f"got {s.sde_window_size}")
+        if self.task.name == "prompt_file" and not self.task.prompt_file:
+            raise ValueError("task.name=prompt_file needs task.prompt_file=PATH (a text file, one prompt per line)")
+        return self
+
+
+def _choice(key: str, value: Any, valid: tuple) -> None:
+    if value not in valid:
+        raise ValueError(f"{key}: invalid value {value!r}; valid: {list(valid)}")
+
+
+def _build(cls, data: dict, where: str):
+    """Instantiate dataclass `cls` from a dict, recursing into nested dataclasses; unknown keys error."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, list(names), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            path = f"{where}.{key}" if where else key
+            raise ValueError(f"unknown config key {path!r}; valid keys{' of ' + where if where else ''}: "
+                             f"{sorted(names)}.{hint}")
+        f = names[key]
+        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if sub is not None and dataclasses.is_dataclass(sub):
+            kwargs[key] = _build(sub, value, f"{where}.{key}" if where else key)
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    d = data
+    for k in keys[:-1]:
+        d = d.setdefault(k, {})
+        if not isinstance(d, dict):
+            raise ValueError(f"override {dotted!r}: {k!r} is not a section")
+    d[keys[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """['train.lr=1e-4', 'log.out_dir=runs/x'] -> nested dict; values parsed as YAML scalars/lists."""
+    out: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.key=value (e.g. train.lr=1e-4)")
+        k, v = item.split("=", 1)
+        _set_dotted(out, k.strip(), yaml.safe_load(v) if v != "" else "")
+    return out
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file (which may name `base: other.yaml`, relative to itself) <- key=value overrides."""
+    data = _load_yaml(path) if path else {}
+    data = _merge(data, parse_overrides(overrides or []))
+    return _build(Config, data, "").validate()
+
+
+def _load_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path!r} does not exist (configs live in configs/, e.g. "
+                                f"configs/t2i/shapes_grpo.yaml)")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config file must be a mapping of sections, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base:
+        data = _merge(_load_yaml(os.path.join(os.path.dirname(path), base)), data)
+    return data
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

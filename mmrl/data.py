@@ -1,0 +1,70 @@
+"""The data that flows through the trainer, and the shape glossary used across mmrl.
+
+Shape glossary (one name per concept):
+    B  prompts per iteration          G  group_size (samples per prompt)
+    N  = B * G samples                A  actions per sample (denoising steps or tokens)
+    n  samples in a minibatch         *D the latent dims of one action's state, e.g. (C, H, W)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """What `policy.sample` returns: everything the objective needs, indexed by sample along dim 0."""
+
+    group_id: torch.Tensor        # [N] long: samples with one id share a prompt; advantages are relative within it
+    old_log_prob: torch.Tensor    # [N, A] log-prob of each action when it was sampled
+    action_mask: torch.Tensor     # [N, A] bool: actions that enter the loss
+    examples: list[dict]          # [N] the task examples ({"prompt": ..., ...}), repeated per group member
+    outputs: Any                  # images [N, 3, H, W] in [-1, 1] | list[str] of N completions
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample tensors [N, ...] log_prob needs
+    is_offpolicy: torch.Tensor | None = None  # [N] bool: injected samples (TempSamp-R1); None = all on-policy
+
+    def __post_init__(self):
+        n = self.group_id.shape[0]
+        if self.is_offpolicy is None:
+            self.is_offpolicy = torch.zeros(n, dtype=torch.bool)
+        for name in ("old_log_prob", "action_mask", "is_offpolicy"):
+            if getattr(self, name).shape[0] != n:
+                raise ValueError(f"Rollout.{name} has {getattr(self, name).shape[0]} rows, group_id has {n}")
+        for k, v in self.extras.items():
+            if v.shape[0] != n:
+                raise ValueError(f"Rollout.extras[{k!r}] has {v.shape[0]} rows, group_id has {n}")
+
+    def __len__(self) -> int:
+        return self.group_id.shape[0]
+
+    def select(self, index: torch.Tensor) -> "Rollout":
+        """The rows `index` [n] of every per-sample field."""
+        idx = index.tolist()
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                out[f.name] = v[index]
+            elif isinstance(v, dict):
+                out[f.name] = {k: t[index] for k, t in v.items()}
+            elif isinstance(v, list):
+                out[f.name] = [v[i] for i in idx]
+            else:
+                out[f.name] = v
+        return Rollout(**out)
+
+
+@dataclass
+class PolicyOutput:
+    """What `policy.log_prob` returns for a minibatch of n samples."""
+
+    log_prob: torch.Tensor                                   # [n, A]
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. flow: "mean" [n, A, *D], "std" [n, A]
+
+
+def group_ids(batch_size: int, group_size: int) -> torch.Tensor:
+    """[B * G] group ids 0,0,..,1,1,.. for B prompts each repeated group_size times."""
+    return torch.arange(batch_size).repeat_interleave(group_size)

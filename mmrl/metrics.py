@@ -1,0 +1,68 @@
+"""Logging: TensorBoard event files (offline) + a JSONL copy of every scalar, image grids with prompts."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+
+class Logger:
+    def __init__(self, out_dir: str, tensorboard: bool = True):
+        os.makedirs(out_dir, exist_ok=True)
+        self.jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(out_dir, "tb"))
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        values = {k: float(v) for k, v in values.items()}
+        self.jsonl.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+        self.jsonl.flush()
+        if self.tb:
+            for k, v in values.items():
+                self.tb.add_scalar(k, v, step)
+
+    def images(self, step: int, tag: str, images: torch.Tensor, captions: list[str], nrow: int = 8) -> None:
+        """images [N, 3, H, W] in [-1, 1] -> one grid image, and the captions in grid order as text."""
+        if not self.tb:
+            return
+        from torchvision.utils import make_grid
+
+        grid = make_grid((images.detach().float().cpu().clamp(-1, 1) + 1) / 2, nrow=nrow, padding=1, pad_value=1.0)
+        self.tb.add_image(tag, grid, step)
+        rows = [" | ".join(captions[i:i + nrow]) for i in range(0, len(captions), nrow)]
+        self.tb.add_text(tag + "/prompts", "  \n".join(f"row {r}: {t}" for r, t in enumerate(rows)), step)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+
+
+class Timer:
+    """Accumulates wall time per phase: `with timer("rollout"): ...`; `timer.pop()` -> {"time/rollout": s}."""
+
+    def __init__(self):
+        self.t: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        timer = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.t[name] = timer.t.get(name, 0.0) + time.perf_counter() - self.t0
+
+        return _Ctx()
+
+    def pop(self) -> dict[str, float]:
+        out = {f"time/{k}": v for k, v in self.t.items()}
+        self.t = {}
+        return out

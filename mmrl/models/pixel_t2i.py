@@ -1,0 +1,81 @@
+"""Builders for the small pixel-space text-to-image model of the embedded worlds, from configs in code.
+
+The model is a real diffusers `SD3Transformer2DModel` (MMDiT) generating RGB pixels directly (no VAE),
+conditioned by a real transformers `CLIPTextModelWithProjection` over a word-level tokenizer trained locally
+with `tokenizers`. Saved as a diffusers-style folder that `mmrl.policy.flow_model.load_flow_model` reads:
+
+    model_index.json   {"_class_name": "MMRLPixelPipeline", "sample_size": 24, ...}
+    transformer/       SD3Transformer2DModel.save_pretrained (safetensors)
+    text_encoder/      CLIPTextModelWithProjection.save_pretrained (safetensors)
+    tokenizer/         PreTrainedTokenizerFast.save_pretrained
+    scheduler/         FlowMatchEulerDiscreteScheduler.save_pretrained
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import CLIPTextConfig, CLIPTextModelWithProjection, PreTrainedTokenizerFast
+
+PIPELINE_CLASS = "MMRLPixelPipeline"
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+MAX_TOKENS = 16
+
+
+def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over `words` (lower-cased, whitespace split) with BOS/EOS/PAD/UNK."""
+    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(set(words)))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A <eos>", special_tokens=[("<bos>", vocab["<bos>"]), ("<eos>", vocab["<eos>"])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>", model_max_length=MAX_TOKENS, padding_side="right")
+
+
+def build_text_encoder(tokenizer: PreTrainedTokenizerFast, width: int = 64, layers: int = 2) -> CLIPTextModelWithProjection:
+    cfg = CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width,
+                         num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=MAX_TOKENS,
+                         projection_dim=width, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return CLIPTextModelWithProjection(cfg)
+
+
+TRANSFORMER_SIZES = {
+    # 4 x 32 heads, 4 layers: ~2.4 M params; the calibrated shapes-world model.
+    "small": dict(num_layers=4, attention_head_dim=32, num_attention_heads=4, caption_projection_dim=128),
+    # for tests and smoke runs
+    "tiny": dict(num_layers=1, attention_head_dim=8, num_attention_heads=2, caption_projection_dim=16),
+}
+
+
+def build_transformer(size: str, sample_size: int, text_width: int, patch_size: int = 2) -> SD3Transformer2DModel:
+    if size not in TRANSFORMER_SIZES:
+        raise ValueError(f"unknown transformer size {size!r}; valid: {sorted(TRANSFORMER_SIZES)}")
+    return SD3Transformer2DModel(sample_size=sample_size, patch_size=patch_size, in_channels=3, out_channels=3,
+                                 joint_attention_dim=text_width, pooled_projection_dim=text_width,
+                                 pos_embed_max_size=sample_size // patch_size, **TRANSFORMER_SIZES[size])
+
+
+def build_pipeline_parts(words: list[str], size: str = "small", sample_size: int = 24, text_width: int = 64,
+                         text_layers: int = 2, patch_size: int = 2) -> dict:
+    tokenizer = build_tokenizer(words)
+    text_width = text_width if size != "tiny" else 16
+    return dict(tokenizer=tokenizer, text_encoder=build_text_encoder(tokenizer, text_width, text_layers if size != "tiny" else 1),
+                transformer=build_transformer(size, sample_size, text_width, patch_size),
+                scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0))
+
+
+def save_pipeline_parts(parts: dict, path: str) -> None:
+    """Write the folder described in the module docstring (the caller makes it atomic)."""
+    os.makedirs(path, exist_ok=True)
+    for name in ("transformer", "text_encoder", "tokenizer", "scheduler"):
+        parts[name].save_pretrained(os.path.join(path, name))
+    index = {"_class_name": PIPELINE_CLASS, "sample_size": parts["transformer"].config.sample_size,
+             "channels": parts["transformer"].config.in_channels}
+    with open(os.path.join(path, "model_index.json"), "w") as f:
+        json.dump(index, f, indent=2)

@@ -1,0 +1,218 @@
+"""Flow-matching generator policy (diffusers SD3Transformer2DModel; pixel or VAE-latent space).
+
+Actions are denoising steps. `sample` runs the chain with the configured SDE sampler on a window of steps
+(ODE elsewhere) and stores, for each SDE step, x_t, x_{t+1}, sigma_t, sigma_{t+1}, the rollout-time mean and
+std; `log_prob` recomputes the Gaussian log-density of the stored x_{t+1} under the current weights with the
+same CFG scale, the same std and the same reduction, batching all n * A steps in one forward.
+The last (lowest-sigma) step is never trained (its likelihood overflows; ALGORITHMS.md 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mmrl.data import PolicyOutput, Rollout, group_ids
+from mmrl.policy.flow_model import FlowModel, load_flow_model, sigma_schedule
+from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std
+
+ADAPTER_FILE = "adapter_model.safetensors"
+WEIGHTS_FILE = "trainable.safetensors"
+
+
+class FlowPolicy:
+    def __init__(self, model: FlowModel, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = ""):
+        self.model, self.cfg, self.model_path = model, sampler_cfg, model_path
+        self.transformer = model.transformer
+        self.device = next(self.transformer.parameters()).device
+        self.lora = bool(lora_cfg.enabled)
+        if self.lora:
+            from peft import LoraConfig
+
+            self.lora_config = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, init_lora_weights="gaussian",
+                                          target_modules=list(lora_cfg.target_modules))
+            self.transformer.requires_grad_(False)
+            self.transformer.add_adapter(self.lora_config)
+        else:
+            self.transformer.requires_grad_(True)
+        self.transformer.train()
+        self._ref_copy = None
+        if reference == "auto" and not self.lora:
+            self._ref_copy = copy.deepcopy(self.transformer).requires_grad_(False).eval()
+        self.has_reference = reference == "auto"
+        self.sigmas = sigma_schedule(sampler_cfg.num_steps, sampler_cfg.shift)  # [S + 1]
+        self._neg = None
+
+    # ----------------------------------------------------------------------------------------------- sampling
+    def _window(self, generator: torch.Generator) -> list[int]:
+        """Indices of the SDE (trained) steps: a window of sde_window_size steps, never the last step."""
+        last = self.cfg.num_steps - 1  # steps 0 .. last-1 are trainable
+        size = self.cfg.sde_window_size or last
+        lo, hi = self.cfg.sde_window_range
+        hi = last - size + 1 if hi < 0 else min(hi, last - size + 1)
+        start = lo + int(torch.randint(0, max(hi - lo, 1), (1,), generator=generator)) if hi > lo else lo
+        return list(range(start, start + size))
+
+    def _negative(self, n: int):
+        if self._neg is None:
+            with torch.no_grad():
+                self._neg = self.model.negative(1)
+        return self._neg[0].expand(n, -1, -1), self._neg[1].expand(n, -1)
+
+    def _velocity_fn(self, enc, pooled):
+        cfg = self.cfg.cfg_scale
+        neg = self._negative(enc.shape[0]) if cfg != 1.0 else None
+        return lambda x, s: self.model.velocity(x, s, enc, pooled, cfg, neg)
+
+    @torch.no_grad()
+    def sample(self, examples: list[dict], group_size: int, generator: torch.Generator) -> Rollout:
+        texts = [ex["prompt"] for ex in examples for _ in range(group_size)]
+        n = len(texts)
+        enc, pooled = self.model.encode_prompts(texts)              # [N, L, D], [N, P]
+        seeds = torch.randint(0, 2**31 - 1, (n,), generator=generator).tolist()
+        x = self.model.initial_noise(seeds, self.device)             # [N, C, H, W]
+        window = self._window(generator)
+        kinds = ["ode"] * self.cfg.num_steps
+        for i in window:
+            kinds[i] = self.cfg.kind
+        traj = run_chain(self._velocity_fn(enc, pooled), x, self.sigmas, kinds, self.cfg.noise_level,
+                         generator=torch.Generator(self.device).manual_seed(seeds[0]), reduce=self.cfg.logprob_reduce)
+        w = torch.tensor(window)
+        a = len(window)
+        extras = {
+            "latents": traj.latents[:, w],                           # [N, A, C, H, W] x_t
+            "next_latents": traj.latents[:, w + 1],                  # [N, A, C, H, W] x_{t+1}
+            "old_mean": traj.mean[:, w],                             # [N, A, C, H, W]
+            "std": traj.std[:, w],                                   # [N, A]
+            "sigma": self.sigmas[w].expand(n, a).clone(),            # [N, A]
+            "sigma_next": self.sigmas[w + 1].expand(n, a).clone(),   # [N, A]
+            "step_index": w.expand(n, a).clone(),                    # [N, A]
+            "enc": enc, "pooled": pooled,                            # [N, L, D], [N, P]
+        }
+        images = self.model.decode(traj.latents[:, -1])
+        return Rollout(group_id=group_ids(len(examples), group_size), old_log_prob=traj.log_prob[:, w],
+                       action_mask=torch.ones(n, a, dtype=torch.bool),
+                       examples=[ex for ex in examples for _ in range(group_size)], outputs=images, extras=extras)
+
+    # ------------------------------------------------------------------------------------------------ scoring
+    def log_prob(self, rollout: Rollout, index: torch.Tensor) -> PolicyOutput:
+        e = {k: v[index].to(self.device) for k, v in rollout.extras.items()}
+        n, a = e["sigma"].shape
+        flat = lambda t: t.flatten(0, 1)                              # [n, A, ...] -> [n * A, ...]
+        rep = lambda t: t.repeat_interleave(a, 0)                     # [n, ...] -> [n * A, ...]
+        enc, pooled = rep(e["enc"]), rep(e["pooled"])
+        sigma, sigma_next = flat(e["sigma"]), flat(e["sigma_next"])
+        x = flat(e["latents"])
+        v = self._velocity_fn(enc, pooled)(x, sigma)
+        mean, _ = step_mean_std(self.cfg.kind, x, v, sigma, sigma_next, self.cfg.noise_level, float(self.sigmas[1]))
+        std = flat(e["std"])
+        lp = gaussian_log_prob(flat(e["next_latents"]), mean, std, self.cfg.logprob_reduce)
+        return PolicyOutput(lp.view(n, a), {"mean": mean.view(n, a, *mean.shape[1:]), "std": e["std"]})
+
+    @contextlib.contextmanager
+    def reference(self):
+        if not self.has_reference:
+            raise RuntimeError("no reference model: set model.reference=auto to use a KL penalty")
+        if self.lora:
+            self.transformer.disable_adapters()
+            try:
+                yield
+            finally:
+                self.transformer.enable_adapters()
+        else:
+            live = self.model.transformer
+            self.model.transformer = self._ref_copy
+            try:
+                yield
+            finally:
+                self.model.transformer = live
+
+    def trainable_parameters(self):
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def evaluate(self, examples: list[dict], seed: int) -> torch.Tensor:
+        texts = [ex["prompt"] for ex in examples]
+        return self.model.generate(texts, [seed + i for i in range(len(texts))], self.cfg.eval_steps,
+                                   self.cfg.eval_cfg_scale, self.cfg.shift)
+
+    # ---------------------------------------------------------------------------------------------- save/load
+    def save_pretrained(self, path: str) -> None:
+        """LoRA: peft adapter (adapter_model.safetensors + adapter_config.json). Full fine-tuning: the whole
+        model folder (loadable by load_flow_model) for the pixel model, else the transformer's weights."""
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "mmrl_policy.json"), "w") as f:
+            json.dump({"policy": "flow", "base_model": os.path.abspath(self.model_path), "lora": self.lora}, f, indent=2)
+        if self.lora:
+            from peft import get_peft_model_state_dict
+
+            save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(self.transformer).items()},
+                      os.path.join(path, ADAPTER_FILE))
+            self.lora_config.save_pretrained(path)
+            return
+        self.transformer.save_pretrained(os.path.join(path, "transformer"))
+        if self.model_path and os.path.isfile(os.path.join(self.model_path, "model_index.json")):
+            _link_base_parts(self.model_path, path)
+
+    def load_trainable_state(self, path: str) -> None:
+        if self.lora:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.transformer, load_file(os.path.join(path, ADAPTER_FILE)))
+        else:
+            from diffusers import SD3Transformer2DModel
+
+            src = SD3Transformer2DModel.from_pretrained(os.path.join(path, "transformer"))
+            self.transformer.load_state_dict(src.state_dict())
+
+
+def _link_base_parts(base: str, path: str) -> None:
+    """Copy the frozen parts (text encoder, tokenizer, scheduler, index) of a pixel model next to the saved
+    transformer, so the folder loads on its own. Small for the embedded model; SD3 pipelines are not copied."""
+    import shutil
+
+    index = json.load(open(os.path.join(base, "model_index.json")))
+    if index.get("_class_name") != "MMRLPixelPipeline":
+        return
+    shutil.copy(os.path.join(base, "model_index.json"), path)
+    for part in ("text_encoder", "tokenizer", "scheduler"):
+        shutil.copytree(os.path.join(base, part), os.path.join(path, part), dirs_exist_ok=True)
+
+
+def build_flow_policy(cfg) -> FlowPolicy:
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
+    device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    path = cfg.model.path
+    if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
+        raise ValueError(f"{path!r} is an mmrl policy checkpoint; use it with mmrl eval, or set model.path to a "
+                         f"base model folder")
+    model = load_flow_model(path, dtype, device, cfg.model.sample_size)
+    return FlowPolicy(model, cfg.sampler, cfg.model.lora, cfg.model.reference, path)
+
+
+def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:
+    """A FlowModel with a saved policy's weights applied (full folder or base + LoRA adapter)."""
+    meta_file = os.path.join(path, "mmrl_policy.json")
+    if not os.path.isfile(meta_file):
+        return load_flow_model(path, device=device)  # a plain model folder
+    meta = json.load(open(meta_file))
+    if not meta["lora"]:
+        if os.path.isfile(os.path.join(path, "model_index.json")):
+            return load_flow_model(path, device=device)
+        model = load_flow_model(meta["base_model"], device=device)
+        from diffusers import SD3Transformer2DModel
+
+        model.transformer.load_state_dict(SD3Transformer2DModel.from_pretrained(os.path.join(path, "transformer")).state_dict())
+        return model
+    from peft import LoraConfig, set_peft_model_state_dict
+
+    model = load_flow_model(meta["base_model"], device=device)
+    model.transformer.add_adapter(LoraConfig.from_pretrained(path))
+    set_peft_model_state_dict(model.transformer, load_file(os.path.join(path, ADAPTER_FILE)))
+    model.transformer.eval()
+    return model

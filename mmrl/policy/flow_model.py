@@ -1,0 +1,162 @@
+"""The parts of a flow generator that every flow policy, script and benchmark shares.
+
+`FlowModel` = transformer (diffusers SD3Transformer2DModel) + prompt encoder + codec + scheduler sigmas:
+- `encode_prompts(texts) -> (enc [B, L, D], pooled [B, P])`
+- `velocity(x [N, C, H, W], sigma [N], enc, pooled, cfg_scale) -> v [N, C, H, W]` with classifier-free guidance
+  `v = v_u + w (v_c - v_u)` computed in one batched forward (uncond first)
+- `decode(x) -> images [N, 3, H, W] in [-1, 1]` (identity in pixel space, VAE decode in latent space)
+
+`load_flow_model(path)` reads either a diffusers `StableDiffusion3Pipeline` folder (SD3 / SD3.5, latent space:
+the VAE and the three text encoders come from the pipeline) or mmrl's pixel-space folder
+(`mmrl/models/pixel_t2i.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from mmrl.models.pixel_t2i import PIPELINE_CLASS
+
+EncodeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class FlowModel:
+    transformer: torch.nn.Module
+    encode_prompts: EncodeFn                     # texts -> (enc [B, L, D], pooled [B, P])
+    decode: Callable[[torch.Tensor], torch.Tensor]
+    latent_shape: tuple[int, int, int]           # (C, H, W) of what the transformer denoises
+    text_modules: tuple[torch.nn.Module, ...] = ()  # text encoders (frozen during RL)
+    pipeline_class: str = PIPELINE_CLASS
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, enc: torch.Tensor, pooled: torch.Tensor,
+                 cfg_scale: float = 1.0, neg: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Guided velocity. x: [N, C, H, W]; sigma: [N]; enc: [N, L, D]; pooled: [N, P];
+        neg: (enc, pooled) of the empty prompt, [N, L, D] and [N, P], required when cfg_scale != 1."""
+        if cfg_scale == 1.0:
+            return self._forward(x, sigma, enc, pooled)
+        if neg is None:
+            raise ValueError("cfg_scale != 1 needs the unconditional (empty-prompt) embeddings")
+        v = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([neg[0], enc]),
+                          torch.cat([neg[1], pooled]))
+        v_u, v_c = v.chunk(2)
+        return v_u + cfg_scale * (v_c - v_u)
+
+    def initial_noise(self, seeds: list[int], device="cpu") -> torch.Tensor:
+        """[N, C, H, W] standard normal noise, one generator per sample so a sample never depends on its batch."""
+        return torch.stack([torch.randn(self.latent_shape, generator=torch.Generator().manual_seed(int(s)))
+                            for s in seeds]).to(device)
+
+    def negative(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(enc [n, L, D], pooled [n, P]) of the empty prompt."""
+        enc, pooled = self.encode_prompts([""])
+        return enc.expand(n, -1, -1), pooled.expand(n, -1)
+
+    @torch.no_grad()
+    def generate(self, texts: list[str], seeds: list[int], num_steps: int = 16, cfg_scale: float = 4.0,
+                 shift: float = 1.0) -> torch.Tensor:
+        """ODE samples decoded to images [N, 3, H, W] in [-1, 1]."""
+        from mmrl.sampling.flow_sde import run_chain
+
+        device = next(self.transformer.parameters()).device
+        enc, pooled = self.encode_prompts(texts)
+        neg = self.negative(len(texts)) if cfg_scale != 1.0 else None
+        sigmas = sigma_schedule(num_steps, shift)
+        traj = run_chain(lambda x, s: self.velocity(x, s, enc, pooled, cfg_scale, neg),
+                         self.initial_noise(seeds, device), sigmas, ["ode"] * num_steps, 0.0, record=False)
+        return self.decode(traj.latents[:, -1])
+
+    def _forward(self, x, sigma, enc, pooled):
+        dtype = next(self.transformer.parameters()).dtype
+        out = self.transformer(hidden_states=x.to(dtype), encoder_hidden_states=enc.to(dtype),
+                               pooled_projections=pooled.to(dtype), timestep=(sigma * 1000).to(dtype),
+                               return_dict=False)[0]
+        return out.float()
+
+
+def sigma_schedule(num_steps: int, shift: float = 1.0) -> torch.Tensor:
+    """[num_steps + 1] sigmas from 1 to 0 as diffusers' FlowMatchEulerDiscreteScheduler sets them."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    sch = FlowMatchEulerDiscreteScheduler(shift=shift)
+    sch.set_timesteps(num_steps)
+    return sch.sigmas.float().clone()
+
+
+def _pixel_model(path: str, dtype: torch.dtype) -> FlowModel:
+    from diffusers import SD3Transformer2DModel
+    from transformers import CLIPTextModelWithProjection, PreTrainedTokenizerFast
+
+    index = json.load(open(os.path.join(path, "model_index.json")))
+    transformer = SD3Transformer2DModel.from_pretrained(os.path.join(path, "transformer"), torch_dtype=dtype)
+    text_encoder = CLIPTextModelWithProjection.from_pretrained(os.path.join(path, "text_encoder"))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(path, "tokenizer"))
+    size, ch = index["sample_size"], index["channels"]
+    return FlowModel(transformer, make_clip_encoder(tokenizer, text_encoder), lambda x: x.clamp(-1, 1),
+                     (ch, size, size), (text_encoder,))
+
+
+def make_clip_encoder(tokenizer, text_encoder) -> EncodeFn:
+    """Encode texts with a CLIP text model: (last_hidden_state [B, L, D], text_embeds [B, D])."""
+
+    def encode(texts: list[str]):
+        ids = tokenizer(list(texts), padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                        return_tensors="pt").to(text_encoder.device)
+        out = text_encoder(input_ids=ids.input_ids, attention_mask=ids.attention_mask)
+        return out.last_hidden_state, out.text_embeds
+
+    return encode
+
+
+def _sd3_model(path: str, dtype: torch.dtype, device: str) -> FlowModel:
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=dtype).to(device)
+
+    @torch.no_grad()
+    def encode(texts):
+        enc, _, pooled, _ = pipe.encode_prompt(list(texts), list(texts), list(texts), device=pipe.device,
+                                               do_classifier_free_guidance=False)
+        return enc, pooled
+
+    vae = pipe.vae
+
+    def decode(latents):
+        latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        return vae.decode(latents, return_dict=False)[0].float().clamp(-1, 1)
+
+    size = pipe.default_sample_size  # latent size
+    texts = tuple(m for m in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3) if m is not None)
+    return FlowModel(pipe.transformer, encode, decode, (pipe.transformer.config.in_channels, size, size),
+                     texts + (vae,), pipeline_class="StableDiffusion3Pipeline")
+
+
+def load_flow_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                    sample_size: int | None = None) -> FlowModel:
+    """Load a flow generator folder. `sample_size` overrides the latent size of SD3 pipelines."""
+    index_file = os.path.join(path, "model_index.json")
+    if not os.path.isfile(index_file):
+        raise FileNotFoundError(f"{path!r} has no model_index.json: point model.path at a diffusers "
+                                f"StableDiffusion3Pipeline folder or an mmrl pixel-model folder "
+                                f"(scripts/pretrain_shapes.py writes one)")
+    cls = json.load(open(index_file)).get("_class_name")
+    if cls == PIPELINE_CLASS:
+        model = _pixel_model(path, dtype)
+    elif cls in ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline"):
+        model = _sd3_model(path, dtype, device)
+        if sample_size:
+            model.latent_shape = (model.latent_shape[0], sample_size, sample_size)
+    else:
+        raise ValueError(f"unsupported pipeline class {cls!r} in {index_file}; supported: "
+                         f"{PIPELINE_CLASS}, StableDiffusion3Pipeline")
+    for m in model.text_modules:
+        m.requires_grad_(False).eval()
+    model.transformer.to(device)
+    for m in model.text_modules:
+        m.to(device)
+    return model

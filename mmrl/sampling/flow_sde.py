@@ -1,0 +1,138 @@
+"""Pure flow-matching step functions with exact Gaussian log-probs (Flow-GRPO, DanceGRPO, CPS, ODE).
+
+Convention (ALGORITHMS.md section 1): `x_sigma = (1 - sigma) * x0 + sigma * eps`, velocity `v ~ eps - x0`,
+sigma goes from ~1 (noise) to 0 (data), `dt = sigma_next - sigma < 0`. Everything here is computed in fp32.
+
+Every step returns `StepOut(next, mean, std, log_prob)`:
+  next     [N, *D]  the sampled x_{t+1} (= mean for the ODE)
+  mean     [N, *D]  the Gaussian mean the sample was drawn around
+  std      [N]      the Gaussian std (scalar per sample; 0 for the ODE)
+  log_prob [N]      log N(next; mean, std^2), REDUCED OVER ELEMENTS: `reduce="mean"` averages the per-element
+                    log-density over the latent elements (Flow-GRPO reference; its PPO clip ranges 1e-4..2e-6
+                    assume this scale), `reduce="sum"` gives the true joint log-density. 0 for the ODE.
+
+The log-prob of a stored transition under new weights is `gaussian_log_prob(next, new_mean, std, reduce)`,
+the same function the sampler used, which is what makes the on-policy ratio exactly 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+import torch
+
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@dataclass
+class StepOut:
+    next: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    log_prob: torch.Tensor
+
+
+def _bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[N] -> [N, 1, ..., 1] to broadcast against like [N, *D]; python floats pass through."""
+    t = torch.as_tensor(t, dtype=like.dtype, device=like.device)
+    return t.reshape(-1, *([1] * (like.dim() - 1))) if t.dim() == 1 else t
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
+    """log N(x; mean, std^2 I) reduced over all non-batch dims. x, mean: [N, *D]; std: [N] or scalar -> [N]."""
+    s = _bcast(std, x)
+    lp = -((x - mean) ** 2) / (2 * s**2) - torch.log(s) - LOG_SQRT_2PI  # [N, *D]
+    lp = lp.flatten(1)
+    if reduce == "mean":
+        return lp.mean(1)
+    if reduce == "sum":
+        return lp.sum(1)
+    raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+
+
+def flow_grpo_std_scale(sigma: torch.Tensor, noise_level: float, sigma_max: float) -> torch.Tensor:
+    """Flow-GRPO diffusion coefficient s = a * sqrt(sigma / (1 - sigma)); at sigma = 1 the denominator uses
+    sigma_max (the first sigma below 1) to avoid the pole."""
+    denom = torch.where(sigma >= 1.0, torch.full_like(sigma, 1 - sigma_max), 1 - sigma)
+    return noise_level * torch.sqrt(sigma / denom)
+
+
+def sde_mean(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, dt: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Mean of the Flow-GRPO / DanceGRPO SDE step: x + [v + s^2/(2 sigma) (x + (1 - sigma) v)] dt.
+    x, v: [N, *D]; sigma, dt, s: [N]."""
+    sigma, dt, s = _bcast(sigma, x), _bcast(dt, x), _bcast(s, x)
+    return x + (v + s**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt
+
+
+def step_mean_std(kind: str, x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+                  noise_level: float, sigma_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean [N, *D], std [N]) of one step of sampler `kind` from x at sigma to sigma_next.
+
+    kind: "ode" (Euler, std 0), "flow_grpo" (s = a sqrt(sigma/(1-sigma))), "dance" (s = noise_level constant),
+          "cps" (coefficients-preserving: std = sigma_next sin(a pi / 2)).
+    """
+    x, v = x.float(), v.float()
+    sigma, sigma_next = sigma.float(), sigma_next.float()
+    dt = sigma_next - sigma
+    if kind == "ode" or noise_level == 0:
+        return x + v * _bcast(dt, x), torch.zeros_like(sigma)
+    if kind in ("flow_grpo", "dance"):
+        s = flow_grpo_std_scale(sigma, noise_level, sigma_max) if kind == "flow_grpo" else torch.full_like(sigma, noise_level)
+        return sde_mean(x, v, sigma, dt, s), s * torch.sqrt(-dt)
+    if kind == "cps":
+        std = sigma_next * math.sin(noise_level * math.pi / 2)
+        x0 = x - _bcast(sigma, x) * v
+        x1 = x + _bcast(1 - sigma, x) * v
+        mean = x0 * _bcast(1 - sigma_next, x) + x1 * _bcast(torch.sqrt(sigma_next**2 - std**2), x)
+        return mean, std
+    raise ValueError(f"unknown sampler {kind!r}; valid: ode, flow_grpo, dance, cps")
+
+
+def step(kind: str, x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+         noise_level: float, sigma_max: float, generator: torch.Generator | None = None,
+         reduce: str = "mean") -> StepOut:
+    """Sample one step and return it with its log-prob. Shapes as in the module docstring."""
+    mean, std = step_mean_std(kind, x, v, sigma, sigma_next, noise_level, sigma_max)
+    if bool((std == 0).all()):
+        return StepOut(mean, mean, std, torch.zeros_like(std))
+    noise = torch.randn(mean.shape, generator=generator, device="cpu" if generator is None else generator.device,
+                        dtype=mean.dtype).to(mean.device)
+    nxt = mean + _bcast(std, mean) * noise
+    return StepOut(nxt, mean, std, gaussian_log_prob(nxt, mean, std, reduce))
+
+
+
+@dataclass
+class Trajectory:
+    """A denoising chain. S steps; x_0 is noise, x_S the sample."""
+
+    latents: torch.Tensor   # [N, S + 1, *D]  x_0 .. x_S
+    log_prob: torch.Tensor  # [N, S]          log-prob of each transition (0 on ODE steps)
+    mean: torch.Tensor      # [N, S, *D]      mean each transition was drawn around
+    std: torch.Tensor       # [N, S]          its std (0 on ODE steps)
+
+
+@torch.no_grad()
+def run_chain(velocity, x: torch.Tensor, sigmas: torch.Tensor, kinds: list[str], noise_level: float,
+              generator: torch.Generator | None = None, reduce: str = "mean", record: bool = True) -> Trajectory:
+    """Integrate from sigmas[0] to sigmas[-1]. velocity(x [N, *D], sigma [N]) -> v [N, *D].
+
+    kinds[i] in {"ode", "flow_grpo", "dance", "cps"} is the sampler of step i (len(kinds) = len(sigmas) - 1).
+    With record=False only the final sample is kept (latents has S + 1 = 2 entries: x_0 and x_S).
+    """
+    n = x.shape[0]
+    sigma_max = float(sigmas[1]) if len(sigmas) > 1 else 0.0
+    xs, lps, means, stds = [x], [], [], []
+    for i, kind in enumerate(kinds):
+        sig = sigmas[i].expand(n).to(x.device)
+        sig_next = sigmas[i + 1].expand(n).to(x.device)
+        out = step(kind, x, velocity(x, sig), sig, sig_next, noise_level, sigma_max, generator, reduce)
+        x = out.next
+        if record:
+            xs.append(x)
+            lps.append(out.log_prob)
+            means.append(out.mean)
+            stds.append(torch.as_tensor(out.std).expand(n))
+    if not record:
+        return Trajectory(torch.stack([xs[0], x], 1), torch.zeros(n, 0), torch.zeros(n, 0), torch.zeros(n, 0))
+    return Trajectory(torch.stack(xs, 1), torch.stack(lps, 1), torch.stack(means, 1), torch.stack(stds, 1))

@@ -1,0 +1,253 @@
+"""The one training loop. It knows nothing about modalities: a policy samples a Rollout and recomputes
+log-probs [n, A]; everything else here (advantages, ratio, clipping, KL, weights, aggregation, optimizer,
+logging, checkpoints) is shared by every policy.
+
+    for each iteration:
+        examples <- task.sample(B)                        rollout <- policy.sample(examples, G)
+        rewards, valid <- reward(rollout.outputs)         adv <- ADVANTAGES[algo.advantage](rewards, group_id)
+        for inner epochs, minibatches:  logp <- policy.log_prob(rollout, mb);  loss; backward; (accumulate) step
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import time
+
+import torch
+from tqdm import tqdm
+
+from mmrl import checkpoint as ckpt
+from mmrl.algorithms import ADVANTAGES, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES, RATIO_TRANSFORMS, WEIGHTINGS
+from mmrl.config import Config, to_dict
+from mmrl.data import Rollout
+from mmrl.evaluation import evaluate_outputs
+from mmrl.metrics import Logger, Timer
+from mmrl.policy import POLICIES
+from mmrl.reward import REWARDS, RewardRunner
+from mmrl.task import TASKS
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        torch.manual_seed(cfg.train.seed)
+        self.policy = POLICIES[cfg.model.policy](cfg)
+        self.task = TASKS[cfg.task.name](cfg.task)
+        self.reward_fn = REWARDS[cfg.reward.name](**cfg.reward.kwargs)
+        self.reward = RewardRunner(self.reward_fn, cfg.reward.on_error)
+        self.params = list(self.policy.trainable_parameters())
+        if not self.params:
+            raise ValueError("the policy has no trainable parameters (check model.lora settings)")
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        self.ema = [p.detach().clone() for p in self.params] if cfg.train.ema_decay > 0 else None
+        self.iteration = 0
+        self.logger = Logger(cfg.log.out_dir, cfg.log.tensorboard)
+        self.timer = Timer()
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        results = {}
+        if cfg.log.eval_at_start and self.iteration == 0:
+            results["eval_start"] = self.evaluate(0)
+        t_start = time.time()
+        bar = tqdm(range(self.iteration, t.iterations), desc="train", disable=not cfg.log.progress,
+                   initial=self.iteration, total=t.iterations)
+        for it in bar:
+            self.iteration = it
+            metrics = self.step(it)
+            self.iteration = it + 1
+            bar.set_postfix(reward=f"{metrics['reward/overall_mean']:.3f}")
+            self.logger.scalars(it, metrics)
+            out_of_time = t.time_budget_min > 0 and (time.time() - t_start) / 60 >= t.time_budget_min
+            last = self.iteration == t.iterations or out_of_time
+            if cfg.log.eval_every and self.iteration % cfg.log.eval_every == 0 and not last:
+                self.evaluate(self.iteration)
+            if self.iteration % cfg.log.save_every == 0 or last:
+                self.save()
+            if out_of_time:
+                log.warning("train.time_budget_min=%s reached after %d iterations", t.time_budget_min, self.iteration)
+                break
+        results["eval_end"] = self.evaluate(self.iteration)
+        results["iterations"] = self.iteration
+        with open(os.path.join(cfg.log.out_dir, "results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        self.logger.close()
+        return results
+
+    def step(self, it: int) -> dict:
+        cfg, t, a = self.cfg, self.cfg.train, self.cfg.algo
+        seed = t.seed * 1_000_003 + it  # per-iteration seeds: resuming needs no RNG state
+        torch.manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed)
+        examples = self.task.sample(t.prompts_per_iter, random.Random(seed))
+        with self.timer("rollout"):
+            self.policy_eval_mode(True)
+            rollout = self.policy.sample(examples, t.group_size, gen)
+            self.policy_eval_mode(False)
+        with self.timer("reward"):
+            rewards, valid, failures = self.reward(rollout.outputs, rollout.examples)
+        adv, adv_stats = ADVANTAGES[a.advantage](rewards["overall"], rollout.group_id, valid, a)
+        rollout.action_mask &= valid.unsqueeze(-1)
+        metrics = {f"reward/{k}_mean": v[valid].mean().item() if valid.any() else 0.0 for k, v in rewards.items()}
+        metrics["reward/overall_std"] = rewards["overall"][valid].std().item() if valid.sum() > 1 else 0.0
+        metrics["reward/failed_samples"] = failures
+        metrics.update(adv_stats)
+        metrics.update(self._per_category(rollout, rewards, valid))
+        with self.timer("train"):
+            metrics.update(self.optimize(rollout, adv))
+        metrics.update(self.timer.pop())
+        if cfg.log.image_every and it % cfg.log.image_every == 0 and isinstance(rollout.outputs, torch.Tensor):
+            k = min(len(rollout), 32)
+            self.logger.images(it, "samples", rollout.outputs[:k], [e["prompt"] for e in rollout.examples[:k]],
+                               nrow=t.group_size)
+        return metrics
+
+    def optimize(self, rollout: Rollout, adv: torch.Tensor) -> dict:
+        cfg, t, a = self.cfg, self.cfg.train, self.cfg.algo
+        n_total = len(rollout)
+        mb_size = n_total // t.minibatches
+        stats: dict[str, list] = {}
+        ratios, steps = [], 0
+        for epoch in range(t.inner_epochs):
+            perm = torch.randperm(n_total, generator=torch.Generator().manual_seed(t.seed + 7919 * epoch + self.iteration))
+            for m in range(t.minibatches):
+                idx = perm[m * mb_size:(m + 1) * mb_size]
+                # Normalize by the sizes of the optimizer step's whole batch (grad_accum minibatches): the
+                # gradient of one step is that of its full-batch loss whatever the minibatch split.
+                first = m - m % t.grad_accum
+                step_rows = perm[first * mb_size:(first + t.grad_accum) * mb_size]
+                n_step, a_step = len(step_rows), max(int(rollout.action_mask[step_rows].sum()), 1)
+                mb = rollout.select(idx)
+                out = self.policy.log_prob(rollout, idx)
+                logp = RATIO_TRANSFORMS[a.ratio](out.log_prob, mb.old_log_prob, mb, out)
+                loss_a, s = POLICY_LOSSES[a.policy_loss](logp, mb.old_log_prob, adv[idx], a)
+                if a.kl_coef > 0:
+                    with torch.no_grad(), self.policy.reference():
+                        ref = self.policy.log_prob(rollout, idx)
+                    kl = KL_ESTIMATORS[a.kl](out, ref)
+                    loss_a = loss_a + a.kl_coef * kl
+                    s["kl"] = kl.detach()
+                loss_a = loss_a * WEIGHTINGS[a.weighting](mb, out)
+                loss = LOSS_AGG[a.loss_agg](loss_a, mb.action_mask, n_step, a_step)
+                loss.backward()
+                mask = mb.action_mask
+                for k, v in s.items():
+                    stats.setdefault(k, []).append(v[mask].float().mean().item() if mask.any() else 0.0)
+                stats.setdefault("approx_kl", []).append(
+                    (0.5 * (out.log_prob.detach() - mb.old_log_prob) ** 2)[mask].mean().item() if mask.any() else 0.0)
+                stats.setdefault("loss", []).append(loss.item())
+                ratios.append((s["ratio"] * mask).sum(0) / mask.sum(0).clamp(min=1))
+                if (m + 1) % t.grad_accum == 0:
+                    stats.setdefault("grad_norm", []).append(
+                        torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm).item())
+                    self.opt.step()
+                    self.opt.zero_grad(set_to_none=True)
+                    self._ema_update()
+                    steps += 1
+        out = {f"train/{k}": sum(v) / len(v) for k, v in stats.items()}
+        out["train/clip_frac"] = out.pop("train/clipped", 0.0)
+        out["train/ratio_mean"] = out.pop("train/ratio", 1.0)
+        labels = rollout.extras.get("step_index")
+        for j, r in enumerate(torch.stack(ratios).mean(0).tolist()):
+            out[f"ratio_per_action/{int(labels[0, j]) if labels is not None else j}"] = r
+        out["train/optimizer_steps"] = steps
+        return out
+
+    # -------------------------------------------------------------------------------------------- helpers
+    def policy_eval_mode(self, on: bool) -> None:
+        for p in (getattr(self.policy, "transformer", None),):
+            if isinstance(p, torch.nn.Module):
+                p.train(not on)
+
+    def _per_category(self, rollout, rewards, valid) -> dict:
+        cats = [e.get("category") for e in rollout.examples]
+        out = {}
+        for c in sorted({c for c in cats if c}):
+            m = torch.tensor([x == c for x in cats]) & valid
+            if m.any():
+                out[f"reward_by_category/{c}"] = rewards["overall"][m].mean().item()
+        return out
+
+    def _ema_update(self) -> None:
+        if self.ema is not None:
+            with torch.no_grad():
+                torch._foreach_lerp_(self.ema, [p.detach() for p in self.params], 1 - self.cfg.train.ema_decay)
+
+    def _swap_ema(self) -> None:
+        if self.ema is not None:
+            with torch.no_grad():
+                for p, e in zip(self.params, self.ema):
+                    tmp = p.detach().clone()
+                    p.copy_(e)
+                    e.copy_(tmp)
+
+    def evaluate(self, step: int) -> dict:
+        """Held-out benchmark of the current (EMA when enabled) weights; logged as eval/*."""
+        self._swap_ema()
+        self.policy_eval_mode(True)
+        try:
+            res = evaluate_outputs(self.policy.evaluate, self.task.eval_examples(), self.reward_fn, seed=10_000,
+                                   progress=self.cfg.log.progress)
+        finally:
+            self.policy_eval_mode(False)
+            self._swap_ema()
+        flat = {f"eval/{k}": v for k, v in res.items() if k not in ("per_category", "n")}
+        for c, d in res["per_category"].items():
+            flat.update({f"eval_by_category/{c}/{k}": v for k, v in d.items() if k != "n"})
+        self.logger.scalars(step, flat)
+        log.info("eval at iteration %d: %s", step, json.dumps({k: v for k, v in res.items() if k != "per_category"}))
+        return res
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def save(self) -> str:
+        path = os.path.join(self.cfg.log.out_dir, "checkpoints", f"iter-{self.iteration:06d}")
+        with ckpt.atomic_dir(path) as tmp:
+            self._swap_ema()  # the saved policy is the EMA one when enabled; raw weights go to trainer_state
+            try:
+                self.policy.save_pretrained(os.path.join(tmp, "policy"))
+            finally:
+                self._swap_ema()
+            state = {"iteration": self.iteration, "optimizer": self.opt.state_dict(),
+                     "params": [p.detach().clone() for p in self.params],
+                     "ema": self.ema, "torch_rng": torch.get_rng_state()}
+            torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(to_dict(self.cfg), f, indent=2)
+        return path
+
+    def resume(self) -> bool:
+        """Load the latest checkpoint in log.out_dir; False when there is none."""
+        path = ckpt.latest(os.path.join(self.cfg.log.out_dir, "checkpoints"))
+        if path is None:
+            return False
+        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+        with torch.no_grad():
+            for p, v in zip(self.params, state["params"]):
+                p.copy_(v)
+        if state["ema"] is not None and self.ema is not None:
+            for e, v in zip(self.ema, state["ema"]):
+                e.copy_(v)
+        self.opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        self.iteration = state["iteration"]
+        log.info("resumed from %s at iteration %d", path, self.iteration)
+        return True
+
+
+def train(cfg: Config, resume: bool = False) -> dict:
+    trainer = Trainer(cfg)
+    os.makedirs(cfg.log.out_dir, exist_ok=True)
+    with open(os.path.join(cfg.log.out_dir, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2)
+    if resume and not trainer.resume():
+        log.warning("--resume: no checkpoint in %s/checkpoints; starting from scratch", cfg.log.out_dir)
+    return trainer.fit()

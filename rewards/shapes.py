@@ -1,0 +1,136 @@
+"""A deterministic detector for the shapes world: the GRPO reward and the benchmark metric in one function.
+
+Detection: each pixel is assigned to the nearest of the palette colors or the background (RGB distance);
+connected components (4-neighbour) of one color with at least `min_area` pixels are objects; a component's
+shape is read from its fill ratio area / bbox area (square ~1.0, circle ~0.78, triangle ~0.5) and its
+position from its bbox center. On rendered ground truth the detector is exact (tests/test_shapes_world.py).
+
+Scoring a `Spec` (tasks/shapes.py):
+- strict (GenEval-style correctness, 0/1): exactly the asked objects, with the asked shapes, colors, counts
+  and relation; no extra objects.
+- partial (in [0, 1]): the mean of the checks the category makes (count right, each asked object found,
+  color right, relation right), so a reward model can pay for progress.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tasks.shapes import BACKGROUND, COLORS, Spec, parse, to_uint8
+
+_NAMES = list(COLORS)
+_PALETTE = np.array([COLORS[c] for c in _NAMES] + [BACKGROUND], dtype=np.float32)  # [C + 1, 3]
+
+
+@dataclass(frozen=True)
+class Detection:
+    shape: str
+    color: str
+    cx: float
+    cy: float
+    area: int
+
+
+def _components(mask: np.ndarray) -> list[np.ndarray]:
+    """4-connected components of a boolean mask [H, W]; each as an array of (y, x) pixel coordinates."""
+    seen = np.zeros_like(mask, dtype=bool)
+    h, w = mask.shape
+    comps = []
+    for y0, x0 in zip(*np.nonzero(mask)):
+        if seen[y0, x0]:
+            continue
+        stack, pix = [(y0, x0)], []
+        seen[y0, x0] = True
+        while stack:
+            y, x = stack.pop()
+            pix.append((y, x))
+            for ny, nx in ((y + 1, x), (y - 1, x), (y, x + 1), (y, x - 1)):
+                if 0 <= ny < h and 0 <= nx < w and mask[ny, nx] and not seen[ny, nx]:
+                    seen[ny, nx] = True
+                    stack.append((ny, nx))
+        comps.append(np.array(pix))
+    return comps
+
+
+def detect(img: np.ndarray, min_area: int = 6) -> list[Detection]:
+    """Objects in one uint8 image [H, W, 3], sorted by area (largest first)."""
+    d = ((img[:, :, None, :].astype(np.float32) - _PALETTE) ** 2).sum(-1)  # [H, W, C + 1]
+    label = d.argmin(-1)
+    out = []
+    for ci, name in enumerate(_NAMES):
+        for pix in _components(label == ci):
+            if len(pix) < min_area:
+                continue
+            y0, x0 = pix.min(0)
+            y1, x1 = pix.max(0)
+            fill = len(pix) / ((y1 - y0 + 1) * (x1 - x0 + 1))
+            shape = "square" if fill > 0.88 else "circle" if fill > 0.64 else "triangle"
+            out.append(Detection(shape, name, (x0 + x1) / 2, (y0 + y1) / 2, len(pix)))
+    return sorted(out, key=lambda o: -o.area)
+
+
+def _relation_holds(a: Detection, b: Detection, relation: str, margin: float) -> bool:
+    dx, dy = b.cx - a.cx, b.cy - a.cy
+    return {"left of": dx > margin, "right of": -dx > margin, "above": dy > margin, "below": -dy > margin}[relation]
+
+
+def score(spec: Spec, dets: list[Detection], size: int) -> tuple[float, float]:
+    """(strict, partial) for one image's detections."""
+    want = spec.objects
+    checks = [len(dets) == len(want)]
+    if spec.category == "counting":
+        checks.append(sum(d.shape == want[0].shape for d in dets) == len(want))
+    else:
+        # Greedy one-to-one match of asked objects to detections (shape, and color when asked).
+        free = list(dets)
+        matched = []
+        for o in want:
+            hit = next((d for d in free if d.shape == o.shape and (o.color is None or d.color == o.color)), None)
+            if hit is None:  # shape alone, so partial credit can still score the color check as failed
+                hit_shape = next((d for d in free if d.shape == o.shape), None)
+                checks.append(hit_shape is not None)
+                if o.color is not None:
+                    checks.append(False)
+                matched.append(hit_shape)
+                if hit_shape is not None:
+                    free.remove(hit_shape)
+                continue
+            checks.append(True)
+            if o.color is not None:
+                checks.append(True)
+            matched.append(hit)
+            free.remove(hit)
+        if spec.relation is not None:
+            a, b = matched
+            checks.append(a is not None and b is not None and _relation_holds(a, b, spec.relation, size / 8))
+    return float(all(checks)), float(np.mean(checks))
+
+
+class ShapesReward:
+    """Reward callable `(outputs, examples) -> {"overall": [N], "strict": [N], "partial": [N]}`.
+
+    outputs: images [N, 3, H, W] in [-1, 1]; examples: the prompt texts (str) or dicts with a "prompt" key.
+    `overall` is `strict_weight * strict + (1 - strict_weight) * partial`.
+    """
+
+    def __init__(self, strict_weight: float = 0.5, min_area: int = 6):
+        if not 0.0 <= strict_weight <= 1.0:
+            raise ValueError(f"strict_weight must be in [0, 1], got {strict_weight}")
+        self.strict_weight = strict_weight
+        self.min_area = min_area
+
+    def __call__(self, outputs: torch.Tensor, examples) -> dict[str, torch.Tensor]:
+        imgs = to_uint8(outputs)
+        size = imgs.shape[1]
+        strict, partial = [], []
+        for img, ex in zip(imgs, examples):
+            text = ex if isinstance(ex, str) else ex["prompt"]
+            s, p = score(parse(text), detect(img, self.min_area), size)
+            strict.append(s)
+            partial.append(p)
+        strict_t, partial_t = torch.tensor(strict), torch.tensor(partial)
+        overall = self.strict_weight * strict_t + (1 - self.strict_weight) * partial_t
+        return {"overall": overall, "strict": strict_t, "partial": partial_t}

@@ -1,0 +1,139 @@
+"""Pretrain the shapes-world base model by flow matching on rendered images (CPU is fine; GPU if present).
+
+Reproduces the committed base checkpoint `tasks/assets/shapes-base` (see README):
+
+    python scripts/pretrain_shapes.py --minutes 90 --out tasks/assets/shapes-base
+
+Trains the pixel-space SD3Transformer2DModel and its CLIP text encoder jointly from scratch on the TRAIN texts
+of tasks/shapes.py (held-out texts are never seen), 10% of prompts dropped to "" for classifier-free
+guidance, logit-normal sigmas (SD3), EMA weights saved. Every --eval-every minutes the EMA model is scored
+on held-out prompts (ODE sampling, CFG) and the folder is rewritten atomically; Ctrl-C stops and keeps the
+last save. `--resume` continues from the training state beside the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mmrl.checkpoint import atomic_dir
+from mmrl.models.pixel_t2i import build_pipeline_parts, save_pipeline_parts
+from mmrl.policy.flow_model import FlowModel, make_clip_encoder
+from tasks import shapes as S
+from tasks.shapes_eval import evaluate
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="tasks/assets/shapes-base")
+    p.add_argument("--minutes", type=float, default=90.0, help="wall-clock training budget")
+    p.add_argument("--size", default="small", choices=["small", "tiny"])
+    p.add_argument("--image-size", type=int, default=24)
+    p.add_argument("--patch", type=int, default=2, help="transformer patch size (pixels per token side)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--ema", type=float, default=0.999)
+    p.add_argument("--cond-drop", type=float, default=0.1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=float, default=10.0, help="minutes between evals/saves")
+    p.add_argument("--eval-n", type=int, default=120)
+    p.add_argument("--resume", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    words = sorted({w for p in S.all_prompts() for w in p.text.split()})
+    parts = build_pipeline_parts(words, args.size, args.image_size, patch_size=args.patch)
+    te, tr = parts["text_encoder"].to(device), parts["transformer"].to(device)
+    params = list(tr.parameters()) + list(te.parameters())
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    ema_tr, ema_te = copy.deepcopy(tr).requires_grad_(False), copy.deepcopy(te).requires_grad_(False)
+    ema_params = list(ema_tr.parameters()) + list(ema_te.parameters())
+    state_path = args.out.rstrip("/") + ".train_state.pt"
+    step, elapsed = 0, 0.0
+    if args.resume and os.path.exists(state_path):
+        st = torch.load(state_path, weights_only=True)
+        for p, v in zip(params, st["params"]):
+            p.data.copy_(v)
+        for p, v in zip(ema_params, st["ema"]):
+            p.data.copy_(v)
+        opt.load_state_dict(st["opt"])
+        step, elapsed = st["step"], st["elapsed"]
+        rng.setstate((st["rng"][0], tuple(st["rng"][1]), st["rng"][2]))
+        print(f"resumed at step {step}, {elapsed / 60:.1f} min")
+    train = S.prompts("train")
+    encode = make_clip_encoder(parts["tokenizer"], te)
+    t0, last_eval = time.time() - elapsed, time.time()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    log = open(args.out.rstrip("/") + ".log.jsonl", "a")
+    try:
+        while True:
+            ps = [train[rng.randrange(len(train))] for _ in range(args.batch)]
+            x0 = torch.stack([S.to_tensor(S.render(p.spec, args.image_size, rng)) for p in ps]).to(device)
+            texts = ["" if rng.random() < args.cond_drop else p.text for p in ps]
+            enc, pooled = encode(texts)
+            sigma = torch.sigmoid(torch.randn(args.batch, device=device))  # logit-normal (SD3)
+            eps = torch.randn_like(x0)
+            s4 = sigma.view(-1, 1, 1, 1)
+            v = tr(hidden_states=(1 - s4) * x0 + s4 * eps, encoder_hidden_states=enc, pooled_projections=pooled,
+                   timestep=sigma * 1000, return_dict=False)[0]
+            loss = torch.nn.functional.mse_loss(v, eps - x0)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            lr_scale = min(1.0, (step + 1) / 500)
+            for g in opt.param_groups:
+                g["lr"] = args.lr * lr_scale
+            opt.step()
+            step += 1
+            decay = min(args.ema, (1 + step) / (10 + step))
+            with torch.no_grad():
+                torch._foreach_lerp_(ema_params, params, 1 - decay)
+            done = time.time() - t0 >= args.minutes * 60
+            if step % 50 == 0:
+                print(f"step {step} loss {loss.item():.4f} {(time.time() - t0) / 60:.1f} min", flush=True)
+            if done or time.time() - last_eval >= args.eval_every * 60:
+                save(args, parts, ema_tr, ema_te, params, ema_params, opt, step, time.time() - t0, rng, state_path)
+                model = FlowModel(ema_tr, make_clip_encoder(parts["tokenizer"], ema_te), lambda x: x.clamp(-1, 1),
+                                  (3, args.image_size, args.image_size), (ema_te,))
+                res = evaluate(model, S.balanced_prompts("heldout", args.eval_n, seed=1234), seed=0, progress=False)
+                rec = {"step": step, "minutes": round((time.time() - t0) / 60, 2), "loss": loss.item(), **res}
+                print(json.dumps(rec), flush=True)
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+                last_eval = time.time()
+            if done:
+                break
+    except KeyboardInterrupt:
+        print("interrupted; last save kept")
+
+
+def save(args, parts, ema_tr, ema_te, params, ema_params, opt, step, elapsed, rng, state_path):
+    with atomic_dir(args.out) as tmp:
+        save_pipeline_parts({**parts, "transformer": ema_tr, "text_encoder": ema_te}, tmp)
+        with open(os.path.join(tmp, "pretrain_info.json"), "w") as f:
+            json.dump({"step": step, "minutes": round(elapsed / 60, 2), "batch": args.batch, "lr": args.lr,
+                       "ema": args.ema, "seed": args.seed, "command": " ".join(sys.argv)}, f, indent=2)
+    st = {"params": [p.detach().cpu() for p in params], "ema": [p.detach().cpu() for p in ema_params],
+          "opt": opt.state_dict(), "step": step, "elapsed": elapsed, "rng": list(rng.getstate())}
+    torch.save(st, state_path + ".tmp")
+    os.replace(state_path + ".tmp", state_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""The shapes-world benchmark metric: ODE samples scored by the detector, overall and per category."""
+
+from __future__ import annotations
+
+from mmrl.evaluation import evaluate_outputs
+from rewards.shapes import ShapesReward
+from tasks.shapes import Prompt
+
+
+def evaluate(model, prompts: list[Prompt], seed: int = 0, num_steps: int = 16, cfg_scale: float = 4.0,
+             batch_size: int = 64, progress: bool = True) -> dict:
+    """Strict and partial accuracy of `model` (a FlowModel) on `prompts`; sample i uses noise seed seed + i."""
+    examples = [{"prompt": p.text, "category": p.spec.category} for p in prompts]
+
+    def generate(chunk, first_seed):
+        return model.generate([ex["prompt"] for ex in chunk], [first_seed + j for j in range(len(chunk))],
+                              num_steps, cfg_scale)
+
+    return evaluate_outputs(generate, examples, ShapesReward(), seed, batch_size, progress)
