@@ -191,8 +191,31 @@ def _build(cls, data: dict, where: str):
         if sub is not None and dataclasses.is_dataclass(sub):
             kwargs[key] = _build(sub, value, f"{where}.{key}" if where else key)
         else:
-            kwargs[key] = value
+            kwargs[key] = _coerce(value, f.type, f"{where}.{key}" if where else key)
     return cls(**kwargs)
+
+
+_SCALARS = {"float": float, "int": int, "bool": bool, "str": str}
+
+
+def _coerce(value: Any, type_str: str, key: str) -> Any:
+    """Check a scalar against its field's annotation; accept '3e-5' (YAML reads it as a string) as a float."""
+    names = [t.strip() for t in str(type_str).split("|")]
+    if value is None and "None" in names:
+        return None
+    base = names[0]
+    if base not in _SCALARS:
+        return value
+    if base == "float" and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if base == "float" and isinstance(value, float):
+        return value
+    if isinstance(value, _SCALARS[base]) and not (base == "int" and isinstance(value, bool)):
+        return value
+    raise ValueError(f"config key {key!r} expects {type_str}, got {value!r} ({type(value).__name__})")
 
 
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:

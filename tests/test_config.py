@@ -1,0 +1,46 @@
+"""Config loading, overrides and validation errors that name the fix."""
+
+import glob
+import os
+
+import pytest
+
+from mmrl.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True)))
+def test_every_yaml_loads_and_validates(path):
+    cfg = load_config(path)
+    assert cfg.train.group_size >= 2
+
+
+def test_overrides_and_types():
+    cfg = load_config(None, ["train.lr=3e-5", "sampler.kind=cps", "model.lora.enabled=true", "algo.clip_range_high=0.28"])
+    assert cfg.train.lr == 3e-5 and cfg.sampler.kind == "cps" and cfg.model.lora.enabled
+    assert cfg.algo.clip_range_high == 0.28
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lrr=1", r"unknown config key 'train.lrr'.*Did you mean 'lr'"),
+    ("trian.lr=1", r"unknown config key 'trian'.*valid keys: \['algo', 'log', 'model'"),
+    ("algo.advantage=grpoo", r"algo.advantage: unknown advantage estimator 'grpoo'; valid: \['dr_grpo', 'grpo'\]"),
+    ("algo.policy_loss=ppo", r"valid: \['ppo_clip'\]"),
+    ("sampler.kind=ddpm", r"sampler.kind: invalid value 'ddpm'; valid: \['flow_grpo', 'dance', 'cps'\]"),
+    ("reward.name=clip", r"reward.name: unknown reward 'clip'; valid: \['shapes'\]"),
+    ("train.group_size=1", r"need >= 2 samples per group"),
+    ("train.minibatches=5", r"must divide prompts_per_iter \* group_size = 64"),
+    ("sampler.sde_window_size=10", r"sde_window_size must be in \[0, num_steps - 1 = 9\]"),
+    ("task.name=prompt_file", r"needs task.prompt_file=PATH"),
+    ("trainlr", r"must look like section.key=value"),
+    ("train.iterations=ten", r"'train.iterations' expects int, got 'ten'"),
+])
+def test_bad_config_errors_name_the_fix(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])
+
+
+def test_missing_config_file():
+    with pytest.raises(FileNotFoundError, match="configs/t2i/shapes_grpo.yaml"):
+        load_config("configs/nope.yaml")

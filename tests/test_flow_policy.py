@@ -1,0 +1,72 @@
+"""Policy contract for the flow policy: shapes, determinism under a seed, on-policy ratio = 1."""
+
+import pytest
+import torch
+
+from mmrl.config import load_config
+from mmrl.policy import POLICIES
+
+EXAMPLES = [{"prompt": "a red circle"}, {"prompt": "two squares"}]
+
+
+def make_policy(path, **over):
+    items = [f"model.path={path}", "sampler.num_steps=5"] + [f"{k}={v}" for k, v in over.items()]
+    return POLICIES["flow"](load_config(None, items))
+
+
+@pytest.mark.parametrize("kind", ["flow_grpo", "dance", "cps"])
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+def test_contract(tiny_pixel_model, kind, cfg_scale):
+    noise = {"flow_grpo": 0.7, "dance": 0.3, "cps": 0.5}[kind]
+    pol = make_policy(tiny_pixel_model, **{"sampler.kind": kind, "sampler.noise_level": noise,
+                                           "sampler.cfg_scale": cfg_scale})
+    ro = pol.sample(EXAMPLES, 3, torch.Generator().manual_seed(0))
+    n, a = 6, 4  # B * G samples; num_steps - 1 trainable steps
+    assert ro.old_log_prob.shape == (n, a) and ro.action_mask.shape == (n, a)
+    assert ro.outputs.shape == (n, 3, 24, 24) and ro.group_id.tolist() == [0, 0, 0, 1, 1, 1]
+    assert ro.extras["latents"].shape == (n, a, 3, 24, 24)
+    assert torch.isfinite(ro.old_log_prob).all()
+    # determinism under a seed
+    ro2 = pol.sample(EXAMPLES, 3, torch.Generator().manual_seed(0))
+    assert torch.equal(ro.outputs, ro2.outputs) and torch.equal(ro.old_log_prob, ro2.old_log_prob)
+    ro3 = pol.sample(EXAMPLES, 3, torch.Generator().manual_seed(1))
+    assert not torch.equal(ro.outputs, ro3.outputs)
+    # on-policy ratio = 1 with unchanged weights, for every minibatch split
+    for idx in (torch.arange(n), torch.tensor([4, 1]), torch.tensor([0])):
+        out = pol.log_prob(ro, idx)
+        assert out.log_prob.shape == (len(idx), a)
+        ratio = torch.exp(out.log_prob - ro.old_log_prob[idx])
+        assert (ratio - 1).abs().max().item() < 1e-5
+        assert torch.allclose(out.stats["mean"], ro.extras["old_mean"][idx], atol=1e-5)
+
+
+def test_log_prob_has_grad_and_changes_with_weights(tiny_pixel_model):
+    pol = make_policy(tiny_pixel_model)
+    ro = pol.sample(EXAMPLES, 2, torch.Generator().manual_seed(0))
+    out = pol.log_prob(ro, torch.arange(4))
+    out.log_prob.sum().backward()
+    grads = [p.grad for p in pol.trainable_parameters() if p.grad is not None]
+    assert grads and any(g.abs().sum() > 0 for g in grads)
+    with torch.no_grad():
+        for p in pol.trainable_parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    assert (pol.log_prob(ro, torch.arange(4)).log_prob - ro.old_log_prob).abs().max() > 1e-4
+
+
+def test_sde_window_and_lora_reference(tiny_pixel_model):
+    pol = make_policy(tiny_pixel_model, **{"sampler.sde_window_size": 2, "model.lora.enabled": True,
+                                           "model.lora.rank": 4, "model.lora.alpha": 4})
+    ro = pol.sample(EXAMPLES, 2, torch.Generator().manual_seed(3))
+    assert ro.old_log_prob.shape == (4, 2)
+    steps = ro.extras["step_index"][0].tolist()
+    assert steps[1] == steps[0] + 1 and steps[1] <= 3  # never the last step (index 4)
+    trainable = list(pol.trainable_parameters())
+    assert trainable and all("lora" in n for n, p in pol.transformer.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        for p in trainable:
+            p.add_(0.1)
+    cur = pol.log_prob(ro, torch.arange(4)).log_prob
+    with pol.reference():
+        ref = pol.log_prob(ro, torch.arange(4)).log_prob
+    assert (cur - ref).abs().max() > 1e-5
+    assert torch.equal(pol.log_prob(ro, torch.arange(4)).log_prob, cur)  # adapters back on after the context
