@@ -93,7 +93,7 @@ def _pixel_model(path: str, dtype: torch.dtype) -> FlowModel:
     from transformers import CLIPTextModelWithProjection, PreTrainedTokenizerFast
 
     index = json.load(open(os.path.join(path, "model_index.json")))
-    transformer = SD3Transformer2DModel.from_pretrained(os.path.join(path, "transformer"), torch_dtype=dtype)
+    transformer = SD3Transformer2DModel.from_pretrained(os.path.join(path, "transformer"), dtype=dtype)
     text_encoder = CLIPTextModelWithProjection.from_pretrained(os.path.join(path, "text_encoder"))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(path, "tokenizer"))
     size, ch = index["sample_size"], index["channels"]
@@ -116,7 +116,7 @@ def make_clip_encoder(tokenizer, text_encoder) -> EncodeFn:
 def _sd3_model(path: str, dtype: torch.dtype, device: str) -> FlowModel:
     from diffusers import StableDiffusion3Pipeline
 
-    pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=dtype).to(device)
+    pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype).to(device)
 
     @torch.no_grad()
     def encode(texts):
