@@ -36,3 +36,12 @@ def latest(folder: str) -> str | None:
         return None
     names = [d for d in os.listdir(folder) if d.startswith("iter-") and d[5:].isdigit()]
     return os.path.join(folder, max(names, key=lambda d: int(d[5:]))) if names else None
+
+
+def prune(folder: str, keep: int) -> None:
+    """Delete all but the `keep` newest `iter-N` checkpoints in `folder` (keep <= 0 keeps all)."""
+    if keep <= 0 or not os.path.isdir(folder):
+        return
+    names = sorted((d for d in os.listdir(folder) if d.startswith("iter-") and d[5:].isdigit()), key=lambda d: int(d[5:]))
+    for d in names[:-keep]:
+        shutil.rmtree(os.path.join(folder, d), ignore_errors=True)

@@ -104,6 +104,7 @@ class LogConfig:
     tensorboard: bool = True
     image_every: int = 10         # iterations between image grids
     save_every: int = 20          # iterations between checkpoints (and one at the end)
+    keep_checkpoints: int = 2     # newest checkpoints kept; older ones are deleted after a successful save
     eval_every: int = 0           # iterations between held-out evals (0 = at start and end only)
     eval_at_start: bool = True
     progress: bool = True

@@ -90,9 +90,7 @@ class Trainer:
         gen = torch.Generator().manual_seed(seed)
         examples = self.task.sample(t.prompts_per_iter, random.Random(seed))
         with self.timer("rollout"):
-            self.policy_eval_mode(True)
             rollout = self.policy.sample(examples, t.group_size, gen)
-            self.policy_eval_mode(False)
         with self.timer("reward"):
             rewards, valid, failures = self.reward(rollout.outputs, rollout.examples)
         adv, adv_stats = ADVANTAGES[a.advantage](rewards["overall"], rollout.group_id, valid, a)
@@ -119,7 +117,8 @@ class Trainer:
         ratios, steps = [], 0
         for epoch in range(t.inner_epochs):
             perm = torch.randperm(n_total, generator=torch.Generator().manual_seed(t.seed + 7919 * epoch + self.iteration))
-            for m in range(t.minibatches):
+            for m in tqdm(range(t.minibatches), desc=f"train epoch {epoch}", leave=False,
+                          disable=not cfg.log.progress or t.minibatches == 1):
                 idx = perm[m * mb_size:(m + 1) * mb_size]
                 # Normalize by the sizes of the optimizer step's whole batch (grad_accum minibatches): the
                 # gradient of one step is that of its full-batch loss whatever the minibatch split.
@@ -163,11 +162,6 @@ class Trainer:
         return out
 
     # -------------------------------------------------------------------------------------------- helpers
-    def policy_eval_mode(self, on: bool) -> None:
-        for p in (getattr(self.policy, "transformer", None),):
-            if isinstance(p, torch.nn.Module):
-                p.train(not on)
-
     def _per_category(self, rollout, rewards, valid) -> dict:
         cats = [e.get("category") for e in rollout.examples]
         out = {}
@@ -193,12 +187,10 @@ class Trainer:
     def evaluate(self, step: int) -> dict:
         """Held-out benchmark of the current (EMA when enabled) weights; logged as eval/*."""
         self._swap_ema()
-        self.policy_eval_mode(True)
         try:
             res = evaluate_outputs(self.policy.evaluate, self.task.eval_examples(), self.reward_fn, seed=10_000,
                                    progress=self.cfg.log.progress)
         finally:
-            self.policy_eval_mode(False)
             self._swap_ema()
         flat = {f"eval/{k}": v for k, v in res.items() if k not in ("per_category", "n")}
         for c, d in res["per_category"].items():
@@ -222,6 +214,7 @@ class Trainer:
             torch.save(state, os.path.join(tmp, "trainer_state.pt"))
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(to_dict(self.cfg), f, indent=2)
+        ckpt.prune(os.path.dirname(path), self.cfg.log.keep_checkpoints)
         return path
 
     def resume(self) -> bool:

@@ -38,7 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--minutes", type=float, default=90.0, help="wall-clock training budget")
     p.add_argument("--size", default="small", choices=["small", "tiny"])
     p.add_argument("--image-size", type=int, default=24)
-    p.add_argument("--patch", type=int, default=2, help="transformer patch size (pixels per token side)")
+    p.add_argument("--patch", type=int, default=3, help="transformer patch size (pixels per token side)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--ema", type=float, default=0.999)

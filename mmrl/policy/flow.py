@@ -26,8 +26,9 @@ WEIGHTS_FILE = "trainable.safetensors"
 
 
 class FlowPolicy:
-    def __init__(self, model: FlowModel, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = ""):
-        self.model, self.cfg, self.model_path = model, sampler_cfg, model_path
+    def __init__(self, model: FlowModel, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = "",
+                 progress: bool = False):
+        self.model, self.cfg, self.model_path, self.progress = model, sampler_cfg, model_path, progress
         self.transformer = model.transformer
         self.device = next(self.transformer.parameters()).device
         self.lora = bool(lora_cfg.enabled)
@@ -81,7 +82,8 @@ class FlowPolicy:
         for i in window:
             kinds[i] = self.cfg.kind
         traj = run_chain(self._velocity_fn(enc, pooled), x, self.sigmas, kinds, self.cfg.noise_level,
-                         generator=torch.Generator(self.device).manual_seed(seeds[0]), reduce=self.cfg.logprob_reduce)
+                         generator=torch.Generator(self.device).manual_seed(seeds[0]), reduce=self.cfg.logprob_reduce,
+                         progress=self.progress)
         w = torch.tensor(window)
         a = len(window)
         extras = {
@@ -192,7 +194,7 @@ def build_flow_policy(cfg) -> FlowPolicy:
         raise ValueError(f"{path!r} is an mmrl policy checkpoint; use it with mmrl eval, or set model.path to a "
                          f"base model folder")
     model = load_flow_model(path, dtype, device, cfg.model.sample_size)
-    return FlowPolicy(model, cfg.sampler, cfg.model.lora, cfg.model.reference, path)
+    return FlowPolicy(model, cfg.sampler, cfg.model.lora, cfg.model.reference, path, cfg.log.progress)
 
 
 def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 import torch
+from tqdm import tqdm
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -114,7 +115,8 @@ class Trajectory:
 
 @torch.no_grad()
 def run_chain(velocity, x: torch.Tensor, sigmas: torch.Tensor, kinds: list[str], noise_level: float,
-              generator: torch.Generator | None = None, reduce: str = "mean", record: bool = True) -> Trajectory:
+              generator: torch.Generator | None = None, reduce: str = "mean", record: bool = True,
+              progress: bool = False) -> Trajectory:
     """Integrate from sigmas[0] to sigmas[-1]. velocity(x [N, *D], sigma [N]) -> v [N, *D].
 
     kinds[i] in {"ode", "flow_grpo", "dance", "cps"} is the sampler of step i (len(kinds) = len(sigmas) - 1).
@@ -123,7 +125,7 @@ def run_chain(velocity, x: torch.Tensor, sigmas: torch.Tensor, kinds: list[str],
     n = x.shape[0]
     sigma_max = float(sigmas[1]) if len(sigmas) > 1 else 0.0
     xs, lps, means, stds = [x], [], [], []
-    for i, kind in enumerate(kinds):
+    for i, kind in enumerate(tqdm(kinds, desc="rollout", leave=False, disable=not progress)):
         sig = sigmas[i].expand(n).to(x.device)
         sig_next = sigmas[i + 1].expand(n).to(x.device)
         out = step(kind, x, velocity(x, sig), sig, sig_next, noise_level, sigma_max, generator, reduce)

@@ -1,0 +1,42 @@
+"""Entry-point scripts: --help works, quick modes run and end with one JSON line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args):
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("script", ["scripts/bench_shapes.py", "scripts/pretrain_shapes.py"])
+def test_help(script):
+    r = run(script, "--help")
+    assert r.returncode == 0 and "usage" in r.stdout
+
+
+def test_bench_shapes_quick(tiny_pixel_model):
+    r = run("scripts/bench_shapes.py", tiny_pixel_model, "--quick", "--steps", "4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    out = res["results"][tiny_pixel_model]
+    assert res["n_prompts"] == 60 and out["n"] == 60 and set(out["per_category"]) == {
+        "single_object", "two_object", "counting", "colors", "position", "color_attr"}
+
+
+def test_pretrain_tiny_writes_loadable_model(tmp_path):
+    out = str(tmp_path / "base")
+    r = run("scripts/pretrain_shapes.py", "--size", "tiny", "--minutes", "0.05", "--batch", "8", "--eval-n", "6",
+            "--out", out, "--threads", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    from mmrl.policy.flow_model import load_flow_model
+
+    model = load_flow_model(out)
+    assert model.generate(["a red circle"], [0], num_steps=2).shape == (1, 3, 24, 24)
+    assert os.path.isfile(out + ".train_state.pt")
