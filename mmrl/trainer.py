@@ -188,8 +188,9 @@ class Trainer:
         """Held-out benchmark of the current (EMA when enabled) weights; logged as eval/*."""
         self._swap_ema()
         try:
-            res = evaluate_outputs(self.policy.evaluate, self.task.eval_examples(), self.reward_fn, seed=10_000,
-                                   progress=self.cfg.log.progress)
+            # through the runner: a sample whose reward fails scores 0 (and is logged) instead of ending the run
+            res = evaluate_outputs(self.policy.evaluate, self.task.eval_examples(), lambda o, e: self.reward(o, e)[0],
+                                   seed=10_000, progress=self.cfg.log.progress)
         finally:
             self._swap_ema()
         flat = {f"eval/{k}": v for k, v in res.items() if k not in ("per_category", "n")}

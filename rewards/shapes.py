@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tasks.shapes import BACKGROUND, COLORS, Spec, parse, to_uint8
+from tasks.shapes import BACKGROUND, COLORS, Spec, parse, relation_holds, to_uint8
 
 _NAMES = list(COLORS)
 _PALETTE = np.array([COLORS[c] for c in _NAMES] + [BACKGROUND], dtype=np.float32)  # [C + 1, 3]
@@ -72,11 +72,6 @@ def detect(img: np.ndarray, min_area: int = 6) -> list[Detection]:
     return sorted(out, key=lambda o: -o.area)
 
 
-def _relation_holds(a: Detection, b: Detection, relation: str, margin: float) -> bool:
-    dx, dy = b.cx - a.cx, b.cy - a.cy
-    return {"left of": dx > margin, "right of": -dx > margin, "above": dy > margin, "below": -dy > margin}[relation]
-
-
 def score(spec: Spec, dets: list[Detection], size: int) -> tuple[float, float]:
     """(strict, partial) for one image's detections."""
     want = spec.objects
@@ -105,7 +100,7 @@ def score(spec: Spec, dets: list[Detection], size: int) -> tuple[float, float]:
             free.remove(hit)
         if spec.relation is not None:
             a, b = matched
-            checks.append(a is not None and b is not None and _relation_holds(a, b, spec.relation, size / 8))
+            checks.append(a is not None and b is not None and relation_holds(a, b, spec.relation, size / 8))
     return float(all(checks)), float(np.mean(checks))
 
 

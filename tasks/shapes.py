@@ -169,7 +169,8 @@ def _draw(d: ImageDraw.ImageDraw, p: Placed) -> None:
     p.bbox = (x0, y0, x1, y1)
 
 
-def _relation_ok(a: Placed, b: Placed, relation: str, margin: float) -> bool:
+def relation_holds(a, b, relation: str, margin: float) -> bool:
+    """Whether object a (anything with cx, cy; y grows downwards) is `relation` object b by more than margin px."""
     dx, dy = b.cx - a.cx, b.cy - a.cy
     return {"left of": dx > margin, "right of": -dx > margin, "above": dy > margin, "below": -dy > margin}[relation]
 
@@ -189,7 +190,7 @@ def render(spec: Spec, size: int = 24, rng: random.Random | None = None) -> Imag
                     break
         if len(placed) != len(spec.objects):
             continue
-        if spec.relation and not _relation_ok(placed[0], placed[1], spec.relation, margin=size / 4):
+        if spec.relation and not relation_holds(placed[0], placed[1], spec.relation, margin=size / 4):
             continue
         img = Image.new("RGB", (size, size), BACKGROUND)
         d = ImageDraw.Draw(img)
