@@ -47,7 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=float, default=10.0, help="minutes between evals/saves")
     p.add_argument("--eval-n", type=int, default=120)
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--resume", action="store_true", help="continue from OUT.train_state.pt (weights, EMA, optimizer)")
+    p.add_argument("--init", default=None, help="start from the weights of a saved model folder (fresh optimizer), "
+                   "e.g. to continue pretraining the committed base as a control")
     return p.parse_args(argv)
 
 
@@ -76,6 +78,16 @@ def main(argv=None):
         step, elapsed = st["step"], st["elapsed"]
         rng.setstate((st["rng"][0], tuple(st["rng"][1]), st["rng"][2]))
         print(f"resumed at step {step}, {elapsed / 60:.1f} min")
+    if args.init and not (args.resume and os.path.exists(state_path)):
+        from mmrl.policy.flow_model import load_flow_model
+
+        init = load_flow_model(args.init)
+        with torch.no_grad():
+            for mod, ema in ((tr, ema_tr), (te, ema_te)):
+                src = init.transformer if mod is tr else init.text_modules[0]
+                mod.load_state_dict(src.state_dict())
+                ema.load_state_dict(src.state_dict())
+        print(f"initialized from {args.init}")
     train = S.prompts("train")
     encode = make_clip_encoder(parts["tokenizer"], te)
     t0, last_eval = time.time() - elapsed, time.time()
