@@ -83,21 +83,15 @@ def score(spec: Spec, dets: list[Detection], size: int) -> tuple[float, float]:
         free = list(dets)
         matched = []
         for o in want:
+            # prefer a detection with the asked color; else one of the asked shape (the color check then fails)
             hit = next((d for d in free if d.shape == o.shape and (o.color is None or d.color == o.color)), None)
-            if hit is None:  # shape alone, so partial credit can still score the color check as failed
-                hit_shape = next((d for d in free if d.shape == o.shape), None)
-                checks.append(hit_shape is not None)
-                if o.color is not None:
-                    checks.append(False)
-                matched.append(hit_shape)
-                if hit_shape is not None:
-                    free.remove(hit_shape)
-                continue
-            checks.append(True)
+            hit = hit or next((d for d in free if d.shape == o.shape), None)
+            checks.append(hit is not None)
             if o.color is not None:
-                checks.append(True)
+                checks.append(hit is not None and hit.color == o.color)
             matched.append(hit)
-            free.remove(hit)
+            if hit is not None:
+                free.remove(hit)
         if spec.relation is not None:
             a, b = matched
             checks.append(a is not None and b is not None and relation_holds(a, b, spec.relation, size / 8))

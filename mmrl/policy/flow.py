@@ -167,10 +167,12 @@ class FlowPolicy:
 
             set_peft_model_state_dict(self.transformer, load_file(os.path.join(path, ADAPTER_FILE)))
         else:
-            from diffusers import SD3Transformer2DModel
+            _load_transformer_weights(self.transformer, path)
 
-            src = SD3Transformer2DModel.from_pretrained(os.path.join(path, "transformer"))
-            self.transformer.load_state_dict(src.state_dict())
+
+def _load_transformer_weights(transformer: torch.nn.Module, path: str) -> None:
+    """Copy the weights of `path/transformer` (written by save_pretrained, possibly sharded) into `transformer`."""
+    transformer.load_state_dict(type(transformer).from_pretrained(os.path.join(path, "transformer")).state_dict())
 
 
 def _link_base_parts(base: str, path: str) -> None:
@@ -207,9 +209,7 @@ def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:
         if os.path.isfile(os.path.join(path, "model_index.json")):
             return load_flow_model(path, device=device)
         model = load_flow_model(meta["base_model"], device=device)
-        from diffusers import SD3Transformer2DModel
-
-        model.transformer.load_state_dict(SD3Transformer2DModel.from_pretrained(os.path.join(path, "transformer")).state_dict())
+        _load_transformer_weights(model.transformer, path)
         return model
     from peft import LoraConfig, set_peft_model_state_dict
 
