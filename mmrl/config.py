@@ -18,21 +18,22 @@ class LoraConfig:
     enabled: bool = False         # LoRA via peft (the default for real checkpoints); False = full fine-tuning
     rank: int = 32
     alpha: int = 64
-    # Flow-GRPO's SD3 targets: the joint attention projections of every MMDiT block.
-    target_modules: list[str] = field(default_factory=lambda: [
-        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"])
+    # [] = the policy's default: flow = Flow-GRPO's SD3 targets (the joint attention projections of every
+    # MMDiT block); vlm = attention and MLP projections of the language model (never the vision tower)
+    target_modules: list[str] = field(default_factory=list)
 
 
 @dataclass
 class ModelConfig:
-    policy: str = "flow"          # policy registry key (mmrl.policy.POLICIES)
+    policy: str = "flow"          # policy registry key (mmrl.policy.POLICIES): flow | vlm
     path: str = "tasks/assets/shapes-base"  # diffusers SD3 pipeline folder or mmrl pixel-model folder
     dtype: str = "float32"        # float32 | bfloat16 (transformer weights; the SDE math is always fp32)
     device: str = "auto"          # auto = cuda if available else cpu
     sample_size: int | None = None  # latent size override for SD3 pipelines (e.g. 64 = 512 px)
     reference: str = "auto"       # KL reference: auto (adapters off with LoRA, else frozen copy) | none
     lora: LoraConfig = field(default_factory=LoraConfig)
+    trust_remote_code: bool = False  # transformers models: run code shipped with a checkpoint only if you trust it
+    freeze_vision: bool = True    # vlm full fine-tuning: keep the vision tower frozen
 
 
 @dataclass
@@ -47,6 +48,23 @@ class SamplerConfig:
     logprob_reduce: str = "mean"  # mean over latent elements (Flow-GRPO reference) | sum (joint density)
     eval_steps: int = 16          # ODE steps for evaluation
     eval_cfg_scale: float = 4.0
+    # token policies (vlm): sampling of completions; evaluation decodes greedily
+    temperature: float = 1.0      # log-probs are taken at this temperature too
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+
+
+@dataclass
+class VideoConfig:
+    """Video input of token policies (qwen-vl-utils; mmrl/video.py)."""
+    backend: str = "decord"       # decord | torchcodec
+    fps: float | None = 2.0       # sampled frames per second (ignored when nframes is set)
+    nframes: int | None = None
+    min_pixels: int | None = None  # per frame; None = qwen-vl-utils' default
+    max_pixels: int | None = None
+    total_pixels: int | None = None
+    on_error: str = "raise"       # missing / corrupt video: raise (naming the file) | skip (counted, logged)
+    cache_size: int = 512         # decoded prompts kept in memory
 
 
 @dataclass
@@ -56,6 +74,7 @@ class TaskConfig:
     prompt_file: str | None = None  # for name=prompt_file: one prompt per line
     eval_split: str = "heldout"
     eval_prompts: int = 240       # held-out evaluation prompts (balanced over categories)
+    kwargs: dict = field(default_factory=dict)  # task-specific options (e.g. grounding: format, annotations ...)
 
 
 @dataclass
@@ -78,7 +97,13 @@ class AlgoConfig:
     kl: str = "flow_mean"         # KL_ESTIMATORS key (used when kl_coef > 0)
     kl_coef: float = 0.0          # beta; Flow-GRPO GenEval: 0.004 .. 0.04; GRPO-Guard: 0
     weighting: str = "none"       # WEIGHTINGS key
-    ratio: str = "none"           # RATIO_TRANSFORMS key
+    ratio: str = "none"           # RATIO_TRANSFORMS key: none | gspo (sequence-level ratio)
+    reward_shaping: str = "none"  # REWARD_SHAPINGS key applied before advantages: none | tempsamp
+    shaping_tau: float = 0.8      # TempSamp-R1 soft shaping
+    shaping_alpha: float = 1.0
+    offpolicy: str = "none"       # OFFPOLICY key: none | ground_truth (TempSamp-R1 injection, one row per group)
+    dynamic_sampling: bool = False  # DAPO: resample prompts whose group has zero reward std
+    dynamic_sampling_tries: int = 3  # extra sampling rounds at most per iteration
 
 
 @dataclass
@@ -119,10 +144,12 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    video: VideoConfig = field(default_factory=VideoConfig)
 
     def validate(self) -> "Config":
         """Check values and registry keys; raise ValueError naming the key and the fix."""
-        from mmrl.algorithms import ADVANTAGES, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES, RATIO_TRANSFORMS, WEIGHTINGS
+        from mmrl.algorithms import (ADVANTAGES, KL_ESTIMATORS, LOSS_AGG, OFFPOLICY, POLICY_LOSSES, RATIO_TRANSFORMS,
+                                     REWARD_SHAPINGS, WEIGHTINGS)
         from mmrl.policy import POLICIES
         from mmrl.reward import REWARDS
         from mmrl.task import TASKS
@@ -136,6 +163,10 @@ class Config:
         KL_ESTIMATORS.check(self.algo.kl, "algo.kl")
         WEIGHTINGS.check(self.algo.weighting, "algo.weighting")
         RATIO_TRANSFORMS.check(self.algo.ratio, "algo.ratio")
+        REWARD_SHAPINGS.check(self.algo.reward_shaping, "algo.reward_shaping")
+        OFFPOLICY.check(self.algo.offpolicy, "algo.offpolicy")
+        _choice("video.backend", self.video.backend, ("decord", "torchcodec"))
+        _choice("video.on_error", self.video.on_error, ("raise", "skip"))
         _choice("sampler.kind", self.sampler.kind, ("flow_grpo", "dance", "cps"))
         _choice("sampler.logprob_reduce", self.sampler.logprob_reduce, ("mean", "sum"))
         _choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))

@@ -56,6 +56,30 @@ class Rollout:
                 out[f.name] = v
         return Rollout(**out)
 
+    @staticmethod
+    def concat(parts: list["Rollout"]) -> "Rollout":
+        """One rollout of all rows of `parts`; group ids are renumbered so groups stay distinct, and [N, A]
+        tensors of different action lengths (token completions) are right-padded (mask False, values 0)."""
+        gids, offset = [], 0
+        for p in parts:
+            dense = torch.unique(p.group_id, return_inverse=True)[1]
+            gids.append(dense + offset)
+            offset += int(dense.max()) + 1 if len(p) else 0
+
+        def cat(ts):
+            if ts[0].dim() >= 2 and len({t.shape[1] for t in ts}) > 1:
+                a = max(t.shape[1] for t in ts)
+                ts = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, a - t.shape[1])) for t in ts]
+            return torch.cat(ts)
+
+        return Rollout(group_id=torch.cat(gids), old_log_prob=cat([p.old_log_prob for p in parts]),
+                       action_mask=cat([p.action_mask for p in parts]),
+                       examples=[e for p in parts for e in p.examples],
+                       outputs=torch.cat([p.outputs for p in parts]) if isinstance(parts[0].outputs, torch.Tensor)
+                       else [o for p in parts for o in p.outputs],
+                       extras={k: cat([p.extras[k] for p in parts]) for k in parts[0].extras},
+                       is_offpolicy=torch.cat([p.is_offpolicy for p in parts]))
+
 
 @dataclass
 class PolicyOutput:

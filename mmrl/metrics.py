@@ -1,4 +1,5 @@
-"""Logging: TensorBoard event files (offline) + a JSONL copy of every scalar, image grids with prompts."""
+"""Logging: TensorBoard event files (offline) + a JSONL copy of every scalar, image grids with prompts,
+completion tables for token policies."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ class Logger:
         self.tb.add_image(tag, grid, step)
         rows = [" | ".join(captions[i:i + nrow]) for i in range(0, len(captions), nrow)]
         self.tb.add_text(tag + "/prompts", "  \n".join(f"row {r}: {t}" for r, t in enumerate(rows)), step)
+
+    def texts(self, step: int, tag: str, prompts: list[str], outputs: list[str], rewards: list[float]) -> None:
+        """Completions with their prompts and rewards, as one markdown table."""
+        if not self.tb:
+            return
+        esc = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        rows = [f"| {esc(p)} | {esc(o)} | {r:.3f} |" for p, o, r in zip(prompts, outputs, rewards)]
+        self.tb.add_text(tag, "\n".join(["| prompt | completion | reward |", "|---|---|---|"] + rows), step)
 
     def close(self) -> None:
         self.jsonl.close()

@@ -21,7 +21,10 @@ import torch
 from tqdm import tqdm
 
 from mmrl import checkpoint as ckpt
-from mmrl.algorithms import ADVANTAGES, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES, RATIO_TRANSFORMS, WEIGHTINGS
+from mmrl.algorithms import (ADVANTAGES, KL_ESTIMATORS, LOSS_AGG, OFFPOLICY, POLICY_LOSSES, RATIO_TRANSFORMS,
+                             REWARD_SHAPINGS, WEIGHTINGS)
+from mmrl.algorithms.advantages import group_stats
+from mmrl.algorithms.offpolicy import injection_diagnostics
 from mmrl.config import Config, to_dict
 from mmrl.data import Rollout
 from mmrl.evaluation import evaluate_outputs
@@ -87,43 +90,75 @@ class Trainer:
         cfg, t, a = self.cfg, self.cfg.train, self.cfg.algo
         seed = t.seed * 1_000_003 + it  # per-iteration seeds: resuming needs no RNG state
         torch.manual_seed(seed)
-        gen = torch.Generator().manual_seed(seed)
-        examples = self.task.sample(t.prompts_per_iter, random.Random(seed))
-        with self.timer("rollout"):
-            rollout = self.policy.sample(examples, t.group_size, gen)
-        with self.timer("reward"):
-            rewards, valid, failures = self.reward(rollout.outputs, rollout.examples)
-        adv, adv_stats = ADVANTAGES[a.advantage](rewards["overall"], rollout.group_id, valid, a)
+        rollout, rewards, valid, metrics = self._collect(random.Random(seed), torch.Generator().manual_seed(seed))
+        shaped = REWARD_SHAPINGS[a.reward_shaping](rewards["overall"], a)
+        adv_fn = lambda r, g, v: ADVANTAGES[a.advantage](r, g, v, a)[0]  # noqa: E731
+        adv, adv_stats = ADVANTAGES[a.advantage](shaped, rollout.group_id, valid, a)
         rollout.action_mask &= valid.unsqueeze(-1)
-        metrics = {f"reward/{k}_mean": v[valid].mean().item() if valid.any() else 0.0 for k, v in rewards.items()}
+        metrics.update({f"reward/{k}_mean": v[valid].mean().item() if valid.any() else 0.0 for k, v in rewards.items()})
         metrics["reward/overall_std"] = rewards["overall"][valid].std().item() if valid.sum() > 1 else 0.0
-        metrics["reward/failed_samples"] = failures
         metrics.update(adv_stats)
+        metrics.update(injection_diagnostics(shaped, rollout.group_id, valid, rollout.is_offpolicy, adv_fn))
         metrics.update(self._per_category(rollout, rewards, valid))
         with self.timer("train"):
             metrics.update(self.optimize(rollout, adv))
         metrics.update(self.timer.pop())
-        if cfg.log.image_every and it % cfg.log.image_every == 0 and isinstance(rollout.outputs, torch.Tensor):
+        if cfg.log.image_every and it % cfg.log.image_every == 0:
             k = min(len(rollout), 32)
-            self.logger.images(it, "samples", rollout.outputs[:k], [e["prompt"] for e in rollout.examples[:k]],
-                               nrow=t.group_size)
+            prompts = [e["prompt"] for e in rollout.examples[:k]]
+            if isinstance(rollout.outputs, torch.Tensor):
+                self.logger.images(it, "samples", rollout.outputs[:k], prompts, nrow=t.group_size)
+            else:
+                self.logger.texts(it, "samples", prompts, rollout.outputs[:k], rewards["overall"][:k].tolist())
         return metrics
+
+    def _collect(self, rng: random.Random, gen: torch.Generator):
+        """Sample B groups and score them. With algo.dynamic_sampling (DAPO), groups whose rewards have zero
+        std are replaced by freshly sampled ones for up to dynamic_sampling_tries extra rounds (zero-std groups
+        fill what is still missing, so the batch always holds B groups)."""
+        t, a = self.cfg.train, self.cfg.algo
+        rounds = 1 + (a.dynamic_sampling_tries if a.dynamic_sampling else 0)
+        good, spare, failures = [], [], 0
+        for r in range(rounds):
+            need = t.prompts_per_iter - sum(len(torch.unique(g[0].group_id)) for g in good)
+            if need <= 0:
+                break
+            with self.timer("rollout"):
+                rollout = self.policy.sample(self.task.sample(need, rng), t.group_size, gen)
+                rollout, _ = OFFPOLICY[a.offpolicy](self.policy, rollout, self.task)
+            with self.timer("reward"):
+                rewards, valid, fails = self.reward(rollout.outputs, rollout.examples)
+            failures += fails
+            if not a.dynamic_sampling:
+                return rollout, rewards, valid, {"reward/failed_samples": fails}
+            _, std, _ = group_stats(rewards["overall"], rollout.group_id, valid)
+            for g in torch.unique(rollout.group_id):
+                rows = (rollout.group_id == g).nonzero().squeeze(-1)
+                part = (rollout.select(rows), {k: v[rows] for k, v in rewards.items()}, valid[rows])
+                (good if std[rows].max() > 1e-8 else spare).append(part)
+        n_good = len(good)
+        parts = (good + spare)[:t.prompts_per_iter]
+        rollout = Rollout.concat([p[0] for p in parts])
+        rewards = {k: torch.cat([p[1][k] for p in parts]) for k in parts[0][1]}
+        valid = torch.cat([p[2] for p in parts])
+        return rollout, rewards, valid, {"reward/failed_samples": failures, "dynamic/rounds": r + 1,
+                                         "dynamic/informative_groups": min(n_good, t.prompts_per_iter)}
 
     def optimize(self, rollout: Rollout, adv: torch.Tensor) -> dict:
         cfg, t, a = self.cfg, self.cfg.train, self.cfg.algo
         n_total = len(rollout)
-        mb_size = n_total // t.minibatches
         stats: dict[str, list] = {}
         ratios, steps = [], 0
         for epoch in range(t.inner_epochs):
             perm = torch.randperm(n_total, generator=torch.Generator().manual_seed(t.seed + 7919 * epoch + self.iteration))
+            chunks = perm.tensor_split(t.minibatches)  # minibatches (uneven when N is not divisible)
             for m in tqdm(range(t.minibatches), desc=f"train epoch {epoch}", leave=False,
                           disable=not cfg.log.progress or t.minibatches == 1):
-                idx = perm[m * mb_size:(m + 1) * mb_size]
+                idx = chunks[m]
                 # Normalize by the sizes of the optimizer step's whole batch (grad_accum minibatches): the
                 # gradient of one step is that of its full-batch loss whatever the minibatch split.
                 first = m - m % t.grad_accum
-                step_rows = perm[first * mb_size:(first + t.grad_accum) * mb_size]
+                step_rows = torch.cat(chunks[first:first + t.grad_accum])
                 n_step, a_step = len(step_rows), max(int(rollout.action_mask[step_rows].sum()), 1)
                 mb = rollout.select(idx)
                 out = self.policy.log_prob(rollout, idx)
@@ -144,6 +179,9 @@ class Trainer:
                 stats.setdefault("approx_kl", []).append(
                     (0.5 * (out.log_prob.detach() - mb.old_log_prob) ** 2)[mask].mean().item() if mask.any() else 0.0)
                 stats.setdefault("loss", []).append(loss.item())
+                for k, v in out.stats.items():  # per-action policy statistics, e.g. token entropy
+                    if v.shape == out.log_prob.shape and mask.any():
+                        stats.setdefault(f"policy_{k}", []).append(v.detach()[mask].float().mean().item())
                 ratios.append((s["ratio"] * mask).sum(0) / mask.sum(0).clamp(min=1))
                 if (m + 1) % t.grad_accum == 0:
                     stats.setdefault("grad_norm", []).append(

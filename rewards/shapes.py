@@ -55,8 +55,14 @@ def _components(mask: np.ndarray) -> list[np.ndarray]:
     return comps
 
 
-def detect(img: np.ndarray, min_area: int = 6) -> list[Detection]:
-    """Objects in one uint8 image [H, W, 3], sorted by area (largest first)."""
+def min_area_for(size: int) -> int:
+    """Smallest component counted as an object: 6 px at 24 px, 10 px at 32 px (a third of the smallest shape)."""
+    return max(6, size * size // 100)
+
+
+def detect(img: np.ndarray, min_area: int | None = None) -> list[Detection]:
+    """Objects in one uint8 image [H, W, 3], sorted by area (largest first); `min_area` defaults by image size."""
+    min_area = min_area_for(img.shape[0]) if min_area is None else min_area
     d = ((img[:, :, None, :].astype(np.float32) - _PALETTE) ** 2).sum(-1)  # [H, W, C + 1]
     label = d.argmin(-1)
     out = []
@@ -105,7 +111,7 @@ class ShapesReward:
     `overall` is `strict_weight * strict + (1 - strict_weight) * partial`.
     """
 
-    def __init__(self, strict_weight: float = 0.5, min_area: int = 6):
+    def __init__(self, strict_weight: float = 0.5, min_area: int | None = None):
         if not 0.0 <= strict_weight <= 1.0:
             raise ValueError(f"strict_weight must be in [0, 1], got {strict_weight}")
         self.strict_weight = strict_weight

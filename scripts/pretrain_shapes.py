@@ -5,8 +5,10 @@ Reproduces the committed base checkpoint `tasks/assets/shapes-base` (see README)
     python scripts/pretrain_shapes.py --minutes 90 --out tasks/assets/shapes-base
 
 Trains the pixel-space SD3Transformer2DModel and its CLIP text encoder jointly from scratch on the TRAIN texts
-of tasks/shapes.py (held-out texts are never seen), 10% of prompts dropped to "" for classifier-free
-guidance, logit-normal sigmas (SD3), EMA weights saved. Every --eval-every minutes the EMA model is scored
+of tasks/shapes.py (held-out texts are never seen; categories sampled equally), 10% of prompts dropped to ""
+for classifier-free guidance, logit-normal sigmas (SD3), the loss on the velocity whatever the transformer
+predicts (`--prediction sample` is JiT-style x-prediction), EMA weights saved. The learning rate warms up,
+stays constant, and cools down linearly to 0 over the last `--cooldown` fraction of `--minutes`. Every --eval-every minutes the EMA model is scored
 on held-out prompts (ODE sampling, CFG) and the folder is rewritten atomically; Ctrl-C stops and keeps the
 last save. `--resume` continues from the training state beside the output folder.
 """
@@ -27,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mmrl.checkpoint import atomic_dir
 from mmrl.models.pixel_t2i import build_pipeline_parts, save_pipeline_parts
-from mmrl.policy.flow_model import FlowModel, make_clip_encoder
+from mmrl.policy.flow_model import FlowModel, make_clip_encoder, velocity_from_prediction
 from tasks import shapes as S
 from tasks.shapes_eval import evaluate
 
@@ -37,8 +39,11 @@ def parse_args(argv=None):
     p.add_argument("--out", default="tasks/assets/shapes-base")
     p.add_argument("--minutes", type=float, default=90.0, help="wall-clock training budget")
     p.add_argument("--size", default="small", choices=["small", "tiny"])
-    p.add_argument("--image-size", type=int, default=24)
-    p.add_argument("--patch", type=int, default=3, help="transformer patch size (pixels per token side)")
+    p.add_argument("--image-size", type=int, default=36)
+    p.add_argument("--patch", type=int, default=4, help="transformer patch size (pixels per token side)")
+    p.add_argument("--prediction", default="velocity", choices=["velocity", "sample"],
+                   help="what the transformer outputs (the loss is on the velocity either way)")
+    p.add_argument("--cooldown", type=float, default=0.2, help="fraction of --minutes with the lr decaying to 0")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--ema", type=float, default=0.999)
@@ -88,27 +93,29 @@ def main(argv=None):
                 mod.load_state_dict(src.state_dict())
                 ema.load_state_dict(src.state_dict())
         print(f"initialized from {args.init}")
-    train = S.prompts("train")
+    train = {c: [p for p in S.prompts("train") if p.spec.category == c] for c in S.CATEGORIES}
     encode = make_clip_encoder(parts["tokenizer"], te)
     t0, last_eval = time.time() - elapsed, time.time()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     log = open(args.out.rstrip("/") + ".log.jsonl", "a")
     try:
         while True:
-            ps = [train[rng.randrange(len(train))] for _ in range(args.batch)]
+            ps = [rng.choice(train[rng.choice(S.CATEGORIES)]) for _ in range(args.batch)]
             x0 = torch.stack([S.to_tensor(S.render(p.spec, args.image_size, rng)) for p in ps]).to(device)
             texts = ["" if rng.random() < args.cond_drop else p.text for p in ps]
             enc, pooled = encode(texts)
             sigma = torch.sigmoid(torch.randn(args.batch, device=device))  # logit-normal (SD3)
             eps = torch.randn_like(x0)
             s4 = sigma.view(-1, 1, 1, 1)
-            v = tr(hidden_states=(1 - s4) * x0 + s4 * eps, encoder_hidden_states=enc, pooled_projections=pooled,
-                   timestep=sigma * 1000, return_dict=False)[0]
-            loss = torch.nn.functional.mse_loss(v, eps - x0)
+            xt = (1 - s4) * x0 + s4 * eps
+            out = tr(hidden_states=xt, encoder_hidden_states=enc, pooled_projections=pooled, timestep=sigma * 1000,
+                     return_dict=False)[0]
+            loss = torch.nn.functional.mse_loss(velocity_from_prediction(out, xt, sigma, args.prediction), eps - x0)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
-            lr_scale = min(1.0, (step + 1) / 500)
+            left = 1 - (time.time() - t0) / (args.minutes * 60)  # fraction of the budget left
+            lr_scale = min(1.0, (step + 1) / 500, max(left, 0.0) / args.cooldown if args.cooldown > 0 else 1.0)
             for g in opt.param_groups:
                 g["lr"] = args.lr * lr_scale
             opt.step()
@@ -122,7 +129,7 @@ def main(argv=None):
             if done or time.time() - last_eval >= args.eval_every * 60:
                 save(args, parts, ema_tr, ema_te, params, ema_params, opt, step, time.time() - t0, rng, state_path)
                 model = FlowModel(ema_tr, make_clip_encoder(parts["tokenizer"], ema_te), lambda x: x.clamp(-1, 1),
-                                  (3, args.image_size, args.image_size), (ema_te,))
+                                  (3, args.image_size, args.image_size), (ema_te,), prediction=args.prediction)
                 res = evaluate(model, S.balanced_prompts("heldout", args.eval_n, seed=1234), seed=0, progress=False)
                 rec = {"step": step, "minutes": round((time.time() - t0) / 60, 2), "loss": loss.item(), **res}
                 print(json.dumps(rec), flush=True)
@@ -137,10 +144,11 @@ def main(argv=None):
 
 def save(args, parts, ema_tr, ema_te, params, ema_params, opt, step, elapsed, rng, state_path):
     with atomic_dir(args.out) as tmp:
-        save_pipeline_parts({**parts, "transformer": ema_tr, "text_encoder": ema_te}, tmp)
+        save_pipeline_parts({**parts, "transformer": ema_tr, "text_encoder": ema_te}, tmp, args.prediction)
         with open(os.path.join(tmp, "pretrain_info.json"), "w") as f:
             json.dump({"step": step, "minutes": round(elapsed / 60, 2), "batch": args.batch, "lr": args.lr,
-                       "ema": args.ema, "seed": args.seed, "command": " ".join(sys.argv)}, f, indent=2)
+                       "ema": args.ema, "seed": args.seed, "prediction": args.prediction,
+                       "command": " ".join(sys.argv)}, f, indent=2)
     st = {"params": [p.detach().cpu() for p in params], "ema": [p.detach().cpu() for p in ema_params],
           "opt": opt.state_dict(), "step": step, "elapsed": elapsed, "rng": list(rng.getstate())}
     torch.save(st, state_path + ".tmp")

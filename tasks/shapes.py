@@ -175,22 +175,26 @@ def relation_holds(a, b, relation: str, margin: float) -> bool:
     return {"left of": dx > margin, "right of": -dx > margin, "above": dy > margin, "below": -dy > margin}[relation]
 
 
-def render(spec: Spec, size: int = 24, rng: random.Random | None = None) -> Image.Image:
-    """One ground-truth image of `spec`: non-overlapping objects, unspecified colors drawn at random."""
+SLOTS = 3  # objects sit in the cells of a SLOTS x SLOTS grid
+
+
+def slot_geometry(size: int) -> tuple[int, int]:
+    """(cell size, object half-size) in px on a size x size canvas: objects fill their cell but one pixel."""
+    cell = size // SLOTS
+    return cell, cell // 2 - 1
+
+
+def render(spec: Spec, size: int = 36, rng: random.Random | None = None) -> Image.Image:
+    """One ground-truth image of `spec`: each object in its own cell of a 3 x 3 grid (so objects never touch,
+    and the relation of two objects is the relation of their cells); unspecified colors drawn at random."""
     rng = rng or random.Random()
+    cell, r = slot_geometry(size)
+    cells = [(i, j) for i in range(SLOTS) for j in range(SLOTS)]
     for _ in range(1000):
-        placed: list[Placed] = []
-        for o in spec.objects:
-            r = rng.choice((3, 4)) if size <= 24 else rng.choice((4, 5, 6))
-            color = o.color or rng.choice(list(COLORS))
-            for _ in range(100):
-                p = Placed(o.shape, color, rng.uniform(r + 1, size - r - 2), rng.uniform(r + 1, size - r - 2), r)
-                if all(abs(p.cx - q.cx) > p.r + q.r + 2 or abs(p.cy - q.cy) > p.r + q.r + 2 for q in placed):
-                    placed.append(p)
-                    break
-        if len(placed) != len(spec.objects):
-            continue
-        if spec.relation and not relation_holds(placed[0], placed[1], spec.relation, margin=size / 4):
+        chosen = rng.sample(cells, len(spec.objects))
+        placed = [Placed(o.shape, o.color or rng.choice(list(COLORS)), cell * i + cell // 2, cell * j + cell // 2, r)
+                  for o, (i, j) in zip(spec.objects, chosen)]
+        if spec.relation and not relation_holds(placed[0], placed[1], spec.relation, margin=cell / 2):
             continue
         img = Image.new("RGB", (size, size), BACKGROUND)
         d = ImageDraw.Draw(img)

@@ -38,5 +38,5 @@ def test_pretrain_tiny_writes_loadable_model(tmp_path):
     from mmrl.policy.flow_model import load_flow_model
 
     model = load_flow_model(out)
-    assert model.generate(["a red circle"], [0], num_steps=2).shape == (1, 3, 24, 24)
+    assert model.generate(["a red circle"], [0], num_steps=2).shape == (1, 3, 36, 36)  # the default world size
     assert os.path.isfile(out + ".train_state.pt")

@@ -3,7 +3,10 @@
 from mmrl.algorithms.advantages import ADVANTAGES
 from mmrl.algorithms.kl import KL_ESTIMATORS
 from mmrl.algorithms.losses import LOSS_AGG, POLICY_LOSSES
+from mmrl.algorithms.offpolicy import OFFPOLICY
 from mmrl.algorithms.ratio import RATIO_TRANSFORMS
+from mmrl.algorithms.shaping import REWARD_SHAPINGS
 from mmrl.algorithms.weighting import WEIGHTINGS
 
-__all__ = ["ADVANTAGES", "KL_ESTIMATORS", "LOSS_AGG", "POLICY_LOSSES", "RATIO_TRANSFORMS", "WEIGHTINGS"]
+__all__ = ["ADVANTAGES", "KL_ESTIMATORS", "LOSS_AGG", "OFFPOLICY", "POLICY_LOSSES", "RATIO_TRANSFORMS",
+           "REWARD_SHAPINGS", "WEIGHTINGS"]

@@ -4,7 +4,7 @@ The model is a real diffusers `SD3Transformer2DModel` (MMDiT) generating RGB pix
 conditioned by a real transformers `CLIPTextModelWithProjection` over a word-level tokenizer trained locally
 with `tokenizers`. Saved as a diffusers-style folder that `mmrl.policy.flow_model.load_flow_model` reads:
 
-    model_index.json   {"_class_name": "MMRLPixelPipeline", "sample_size": 24, ...}
+    model_index.json   {"_class_name": "MMRLPixelPipeline", "sample_size": 36, "prediction": "velocity", ...}
     transformer/       SD3Transformer2DModel.save_pretrained (safetensors)
     text_encoder/      CLIPTextModelWithProjection.save_pretrained (safetensors)
     tokenizer/         PreTrainedTokenizerFast.save_pretrained
@@ -61,7 +61,7 @@ def build_transformer(size: str, sample_size: int, text_width: int, patch_size: 
                                  pos_embed_max_size=sample_size // patch_size, **TRANSFORMER_SIZES[size])
 
 
-def build_pipeline_parts(words: list[str], size: str = "small", sample_size: int = 24, text_width: int = 64,
+def build_pipeline_parts(words: list[str], size: str = "small", sample_size: int = 36, text_width: int = 64,
                          text_layers: int = 2, patch_size: int = 2) -> dict:
     tokenizer = build_tokenizer(words)
     text_width = text_width if size != "tiny" else 16
@@ -70,12 +70,13 @@ def build_pipeline_parts(words: list[str], size: str = "small", sample_size: int
                 scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0))
 
 
-def save_pipeline_parts(parts: dict, path: str) -> None:
-    """Write the folder described in the module docstring (the caller makes it atomic)."""
+def save_pipeline_parts(parts: dict, path: str, prediction: str = "velocity") -> None:
+    """Write the folder described in the module docstring (the caller makes it atomic).
+    prediction: what the transformer outputs, "velocity" or "sample" (see mmrl/policy/flow_model.py)."""
     os.makedirs(path, exist_ok=True)
     for name in ("transformer", "text_encoder", "tokenizer", "scheduler"):
         parts[name].save_pretrained(os.path.join(path, name))
     index = {"_class_name": PIPELINE_CLASS, "sample_size": parts["transformer"].config.sample_size,
-             "channels": parts["transformer"].config.in_channels}
+             "channels": parts["transformer"].config.in_channels, "prediction": prediction}
     with open(os.path.join(path, "model_index.json"), "w") as f:
         json.dump(index, f, indent=2)

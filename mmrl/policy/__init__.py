@@ -10,3 +10,10 @@ def _flow(cfg):
     from mmrl.policy.flow import build_flow_policy
 
     return build_flow_policy(cfg)
+
+
+@POLICIES.register("vlm")
+def _vlm(cfg):
+    from mmrl.policy.vlm import build_token_policy
+
+    return build_token_policy(cfg)

@@ -22,6 +22,9 @@ from mmrl.policy.flow_model import FlowModel, load_flow_model, sigma_schedule
 from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std
 
 ADAPTER_FILE = "adapter_model.safetensors"
+# Flow-GRPO's SD3 LoRA targets: the joint attention projections of every MMDiT block.
+SD3_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
 WEIGHTS_FILE = "trainable.safetensors"
 
 
@@ -36,7 +39,7 @@ class FlowPolicy:
             from peft import LoraConfig
 
             self.lora_config = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, init_lora_weights="gaussian",
-                                          target_modules=list(lora_cfg.target_modules))
+                                          target_modules=list(lora_cfg.target_modules) or SD3_LORA_TARGETS)
             self.transformer.requires_grad_(False)
             self.transformer.add_adapter(self.lora_config)
         else:

@@ -6,6 +6,10 @@
   `v = v_u + w (v_c - v_u)` computed in one batched forward (uncond first)
 - `decode(x) -> images [N, 3, H, W] in [-1, 1]` (identity in pixel space, VAE decode in latent space)
 
+`prediction` says what the transformer outputs: "velocity" (SD3, FLUX, Wan) or "sample" (x-prediction: the
+clean image, as JiT argues for pixel-space transformers with large patches); `velocity` always returns v, so
+samplers and policies never see the difference (`velocity_from_prediction`).
+
 `load_flow_model(path)` reads either a diffusers `StableDiffusion3Pipeline` folder (SD3 / SD3.5, latent space:
 the VAE and the three text encoders come from the pipeline) or mmrl's pixel-space folder
 (`mmrl/models/pixel_t2i.py`).
@@ -33,6 +37,7 @@ class FlowModel:
     latent_shape: tuple[int, int, int]           # (C, H, W) of what the transformer denoises
     text_modules: tuple[torch.nn.Module, ...] = ()  # text encoders (frozen during RL)
     pipeline_class: str = PIPELINE_CLASS
+    prediction: str = "velocity"                 # what the transformer outputs: "velocity" | "sample"
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, enc: torch.Tensor, pooled: torch.Tensor,
                  cfg_scale: float = 1.0, neg: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -76,7 +81,20 @@ class FlowModel:
         out = self.transformer(hidden_states=x.to(dtype), encoder_hidden_states=enc.to(dtype),
                                pooled_projections=pooled.to(dtype), timestep=(sigma * 1000).to(dtype),
                                return_dict=False)[0]
-        return out.float()
+        return velocity_from_prediction(out.float(), x, sigma, self.prediction)
+
+
+PREDICTIONS = ("velocity", "sample")
+SIGMA_MIN_X_PRED = 0.05  # x-prediction: v = (x_t - x0_hat) / max(sigma, 0.05), JiT's clip of 1 / t
+
+
+def velocity_from_prediction(out: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, prediction: str) -> torch.Tensor:
+    """The flow velocity v = eps - x0 from a transformer output. out, x: [N, C, H, W]; sigma: [N]."""
+    if prediction == "velocity":
+        return out
+    if prediction == "sample":
+        return (x.float() - out) / sigma.float().clamp(min=SIGMA_MIN_X_PRED).view(-1, *([1] * (x.dim() - 1)))
+    raise ValueError(f"unknown prediction {prediction!r}; valid: {PREDICTIONS}")
 
 
 def sigma_schedule(num_steps: int, shift: float = 1.0) -> torch.Tensor:
@@ -98,7 +116,7 @@ def _pixel_model(path: str, dtype: torch.dtype) -> FlowModel:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(path, "tokenizer"))
     size, ch = index["sample_size"], index["channels"]
     return FlowModel(transformer, make_clip_encoder(tokenizer, text_encoder), lambda x: x.clamp(-1, 1),
-                     (ch, size, size), (text_encoder,))
+                     (ch, size, size), (text_encoder,), prediction=index.get("prediction", "velocity"))
 
 
 def make_clip_encoder(tokenizer, text_encoder) -> EncodeFn:

@@ -1,0 +1,312 @@
+"""Token policy: VLMs and video LLMs (transformers AutoModelForImageTextToText: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
+and text-only causal LMs (AutoModelForCausalLM). Actions are completion tokens.
+
+An example is a dict with "prompt" (the user text) and optionally "video" (a file path) or "image" (path or
+PIL image); the chat template puts the media before the text. Each prompt is processed once (video decoded
+by qwen-vl-utils with its frame metadata, `mmrl/video.py`) and cached; the same tensors feed generation and
+every log-prob pass, so recomputed log-probs see exactly the sampled inputs.
+
+Sequence layout for scoring: [left-padded prompt | completion (right-padded after EOS)], the layout HF
+generation produces. Causal LMs get position ids counted over real tokens (as `generate` does); Qwen-VL
+models compute their M-RoPE positions from the attention mask themselves. Log-probs are taken at the
+sampling temperature (logits / T) with a selective log-softmax that never materializes a second [n, C, V]
+tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections import OrderedDict
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mmrl.data import PolicyOutput, Rollout, group_ids
+from mmrl.rollout.engine import HFEngine, SamplingParams, completion_mask, pad_after_eos
+from mmrl.video import VideoCache, VideoError, VideoOptions
+
+log = logging.getLogger(__name__)
+ADAPTER_FILE = "adapter_model.safetensors"
+# LoRA on the language model only: attention and MLP projections, never the vision tower.
+DEFAULT_LORA_TARGETS = r"^(?!.*(visual|vision)).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+_VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(ids) [n, C], entropy [n, C] without grad) from logits [n, C, V], one row at a time."""
+    logps, ents = [], []
+    for row_logits, row_ids in zip(logits, ids):
+        lse = torch.logsumexp(row_logits, -1)                                          # [C]
+        logps.append(row_logits.gather(-1, row_ids.unsqueeze(-1)).squeeze(-1) - lse)
+        with torch.no_grad():
+            p = torch.softmax(row_logits.float(), -1)
+            ents.append(lse.float() - (p * row_logits.float()).sum(-1))
+    return torch.stack(logps), torch.stack(ents)
+
+
+class TokenPolicy:
+    def __init__(self, model, processor, sampler_cfg, lora_cfg, video: VideoOptions | None = None,
+                 freeze_vision: bool = True, reference: str = "auto", model_path: str = "",
+                 video_on_error: str = "raise", cache_size: int = 512):
+        self.model, self.processor, self.cfg, self.model_path = model, processor, sampler_cfg, model_path
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.is_vlm = self.tokenizer is not processor
+        self.video_opts = video or VideoOptions()
+        self.video_on_error = video_on_error
+        self.videos = VideoCache(cache_size)
+        self._prompts: OrderedDict = OrderedDict()
+        self.cache_size = cache_size
+        self.skipped_examples = 0
+        self.eos_id, self.pad_id = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.eos_id
+        self.lora = bool(lora_cfg.enabled)
+        if self.lora:
+            from peft import LoraConfig, get_peft_model
+
+            targets = list(lora_cfg.target_modules) or DEFAULT_LORA_TARGETS
+            self.lora_config = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, target_modules=targets,
+                                          lora_dropout=0.0)
+            self.model = get_peft_model(self.model, self.lora_config)
+        elif freeze_vision:
+            for name, p in self.model.named_parameters():
+                if "visual" in name or "vision" in name:
+                    p.requires_grad_(False)
+        self.has_reference = reference == "auto"
+        if self.has_reference and not self.lora:
+            import copy
+
+            self._ref_copy = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.device = next(self.model.parameters()).device
+        self.model.train()
+        self.engine = HFEngine(self.model, self.eos_id, self.pad_id)
+
+    # ------------------------------------------------------------------------------------------ prompts
+    def _messages(self, ex: dict) -> list[dict]:
+        if "messages" in ex:
+            return ex["messages"]
+        if not self.is_vlm:
+            return [{"role": "user", "content": ex["prompt"]}]
+        content = [{"type": "video"}] if ex.get("video") else [{"type": "image"}] if ex.get("image") else []
+        return [{"role": "user", "content": content + [{"type": "text", "text": ex["prompt"]}]}]
+
+    def encode_prompt(self, ex: dict) -> dict[str, torch.Tensor]:
+        """The processor's tensors for one prompt (input_ids [1, P], attention_mask [1, P], and for media e.g.
+        pixel_values_videos [patches, D], video_grid_thw [1, 3]); cached by (prompt, media)."""
+        key = (json.dumps(ex.get("messages"), sort_keys=True, default=str), ex.get("prompt"), ex.get("video"),
+               str(ex.get("image")))
+        if key in self._prompts:
+            self._prompts.move_to_end(key)
+            return self._prompts[key]
+        text = self.tokenizer.apply_chat_template(self._messages(ex), tokenize=False, add_generation_prompt=True) \
+            if not self.is_vlm else self.processor.apply_chat_template(self._messages(ex), tokenize=False,
+                                                                       add_generation_prompt=True)
+        if not self.is_vlm:
+            enc = dict(self.tokenizer([text], return_tensors="pt", add_special_tokens=False))
+        elif ex.get("video"):
+            frames, meta = self.videos.get(ex["video"], self.video_opts)
+            enc = dict(self.processor(text=[text], videos=[frames], video_metadata=[meta], do_sample_frames=False,
+                                      return_tensors="pt"))
+        elif ex.get("image") is not None:
+            from PIL import Image
+
+            img = ex["image"] if not isinstance(ex["image"], str) else Image.open(ex["image"]).convert("RGB")
+            enc = dict(self.processor(text=[text], images=[img], return_tensors="pt"))
+        else:
+            enc = dict(self.processor(text=[text], return_tensors="pt"))
+        self._prompts[key] = enc
+        if len(self._prompts) > self.cache_size:
+            self._prompts.popitem(last=False)
+        return enc
+
+    def _collate(self, prompts: list[dict], completions: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Left-pad prompts and append completions [n, C] (pads after EOS get attention 0); media concatenated."""
+        width = max(p["input_ids"].shape[1] for p in prompts)
+        out: dict[str, list] = {}
+        for p in prompts:
+            pad = width - p["input_ids"].shape[1]
+            for k, v in p.items():
+                if k in ("input_ids", "attention_mask", "mm_token_type_ids"):
+                    fill = self.pad_id if k == "input_ids" else 0
+                    v = torch.cat([torch.full((1, pad), fill, dtype=v.dtype), v], 1)
+                out.setdefault(k, []).append(v)
+        batch = {k: torch.cat(v, 0) for k, v in out.items()}
+        if completions is not None:
+            cmask = completion_mask(completions, self.eos_id).long()
+            batch["input_ids"] = torch.cat([batch["input_ids"], completions], 1)
+            batch["attention_mask"] = torch.cat([batch["attention_mask"], cmask], 1)
+            if "mm_token_type_ids" in batch:
+                batch["mm_token_type_ids"] = torch.cat([batch["mm_token_type_ids"], torch.zeros_like(completions)], 1)
+        if not self.is_vlm:
+            batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    # ----------------------------------------------------------------------------------------- sampling
+    def _usable(self, examples: list[dict]) -> list[dict]:
+        """Examples whose media load; a broken video raises (video_on_error=raise) or is counted and skipped."""
+        ok = []
+        for ex in examples:
+            try:
+                self.encode_prompt(ex)
+                ok.append(ex)
+            except VideoError:
+                if self.video_on_error == "raise":
+                    raise
+                self.skipped_examples += 1
+                log.warning("skipped an example whose video cannot be read (%d so far)", self.skipped_examples,
+                            exc_info=True)
+        if not ok:
+            raise RuntimeError("no example of this batch has a readable video; see the warnings above")
+        return ok
+
+    @torch.no_grad()
+    def sample(self, examples: list[dict], group_size: int, generator: torch.Generator) -> Rollout:
+        examples = self._usable(examples)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+        params = SamplingParams(self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p, group_size)
+        prompts = [self.encode_prompt(ex) for ex in examples]
+        completions = self.engine.generate(self._collate(prompts), params, seed).cpu()      # [N, C]
+        rows = [ex for ex in examples for _ in range(group_size)]
+        return self._rollout(rows, completions, group_ids(len(examples), group_size))
+
+    def _rollout(self, rows: list[dict], completions: torch.Tensor, gid: torch.Tensor,
+                 is_offpolicy: torch.Tensor | None = None) -> Rollout:
+        mask = completion_mask(completions, self.eos_id)
+        ro = Rollout(group_id=gid, old_log_prob=torch.zeros(completions.shape, dtype=torch.float32),
+                     action_mask=mask, examples=rows, outputs=self.decode(completions),
+                     extras={"completion_ids": completions}, is_offpolicy=is_offpolicy)
+        ro.old_log_prob = self.old_log_prob(ro, torch.arange(len(ro)))
+        return ro
+
+    def decode(self, completions: torch.Tensor) -> list[str]:
+        """Completion texts without the EOS and padding, special tokens (e.g. <answer>) kept."""
+        mask = completion_mask(completions, self.eos_id) & (completions != self.eos_id) & (completions != self.pad_id)
+        return [self.tokenizer.decode(row[m].tolist(), skip_special_tokens=False) for row, m in zip(completions, mask)]
+
+    @torch.no_grad()
+    def old_log_prob(self, rollout: Rollout, index: torch.Tensor, chunk: int = 32) -> torch.Tensor:
+        return torch.cat([self.log_prob(rollout, index[i:i + chunk]).log_prob.cpu()
+                          for i in range(0, len(index), chunk)])
+
+    # ------------------------------------------------------------------------------------------ scoring
+    def log_prob(self, rollout: Rollout, index: torch.Tensor) -> PolicyOutput:
+        ids = rollout.extras["completion_ids"][index]                                       # [n, C]
+        prompts = [self.encode_prompt(rollout.examples[i]) for i in index.tolist()]
+        batch = self._collate(prompts, ids)
+        c = ids.shape[1]
+        logits = self.model(**batch, use_cache=False, logits_to_keep=c + 1).logits[:, :c]    # [n, C, V]
+        temperature = self.cfg.temperature if self.cfg.temperature > 0 else 1.0
+        logp, ent = selective_log_softmax(logits.float() / temperature, ids.to(self.device))
+        return PolicyOutput(logp, {"entropy": ent})
+
+    def replace_outputs(self, rollout: Rollout, rows: torch.Tensor, texts: list[str]) -> Rollout:
+        """Rollout whose rows `rows` [k] hold `texts` (+ EOS) as completions, marked off-policy, their old
+        log-probs recomputed under the current weights (TempSamp-R1 ground-truth injection)."""
+        new = [self.tokenizer(t, add_special_tokens=False).input_ids + [self.eos_id] for t in texts]
+        old = rollout.extras["completion_ids"]
+        c = max(old.shape[1], max(len(x) for x in new))
+        ids = torch.full((len(rollout), c), self.pad_id, dtype=old.dtype)
+        ids[:, :old.shape[1]] = old
+        for r, x in zip(rows.tolist(), new):
+            ids[r] = self.pad_id
+            ids[r, :len(x)] = torch.tensor(x)
+        off = rollout.is_offpolicy.clone()
+        off[rows] = True
+        ro = Rollout(group_id=rollout.group_id, old_log_prob=torch.zeros(ids.shape), action_mask=completion_mask(ids, self.eos_id),
+                     examples=rollout.examples, outputs=self.decode(ids), extras={"completion_ids": ids},
+                     is_offpolicy=off)
+        ro.old_log_prob[:, :old.shape[1]] = rollout.old_log_prob
+        ro.old_log_prob[rows] = self.old_log_prob(ro, rows)
+        return ro
+
+    @contextlib.contextmanager
+    def reference(self):
+        if not self.has_reference:
+            raise RuntimeError("no reference model: set model.reference=auto to use a KL penalty")
+        if self.lora:
+            with self.model.disable_adapter():
+                yield
+        else:
+            live = self.model
+            self.model = self._ref_copy
+            try:
+                yield
+            finally:
+                self.model = live
+
+    def trainable_parameters(self):
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def evaluate(self, examples: list[dict], seed: int) -> list[str]:
+        """Greedy completions (the benchmark protocol); examples whose video is unreadable score as ''."""
+        usable = self._usable(examples) if self.video_on_error == "skip" else examples
+        keep = {id(ex) for ex in usable}
+        prompts = [self.encode_prompt(ex) for ex in usable]
+        params = SamplingParams(self.cfg.max_new_tokens, 0.0, 1.0, 1)
+        texts = iter(self.decode(self.engine.generate(self._collate(prompts), params, seed).cpu()))
+        return [next(texts) if id(ex) in keep else "" for ex in examples]
+
+    # ---------------------------------------------------------------------------------------- save/load
+    def save_pretrained(self, path: str) -> None:
+        """LoRA: the peft adapter folder. Full fine-tuning: model + processor (loadable with from_pretrained)."""
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "mmrl_policy.json"), "w") as f:
+            json.dump({"policy": "vlm", "base_model": os.path.abspath(self.model_path), "lora": self.lora}, f, indent=2)
+        if self.lora:
+            from peft import get_peft_model_state_dict
+
+            save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(self.model).items()},
+                      os.path.join(path, ADAPTER_FILE))
+            self.lora_config.save_pretrained(path)
+        else:
+            self.model.save_pretrained(path)
+        self.processor.save_pretrained(path)
+
+    def load_trainable_state(self, path: str) -> None:
+        if self.lora:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.model, load_file(os.path.join(path, ADAPTER_FILE)))
+        else:
+            self.model.load_state_dict(type(self.model).from_pretrained(path).state_dict())
+
+
+def load_token_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                     trust_remote_code: bool = False):
+    """(model, processor) of a transformers folder: a VLM when the folder has an image/video processor config,
+    else a causal LM with its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model.path={path!r} is not a folder; point it at a transformers model folder "
+                                f"(e.g. Qwen2.5-VL-3B-Instruct, or scripts/sft_grounding.py's output)")
+    kw = dict(trust_remote_code=trust_remote_code)
+    is_vlm = any(os.path.isfile(os.path.join(path, f)) for f in
+                 ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json"))
+    if is_vlm:
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **kw)
+        processor = AutoProcessor.from_pretrained(path, **kw)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+        processor = AutoTokenizer.from_pretrained(path, **kw)
+    return model.to(device), processor
+
+
+def build_token_policy(cfg) -> TokenPolicy:
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
+    device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    path = cfg.model.path
+    if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
+        meta = json.load(open(os.path.join(path, "mmrl_policy.json")))
+        if meta.get("lora"):
+            raise ValueError(f"{path!r} is a LoRA policy checkpoint; set model.path to its base model "
+                             f"({meta.get('base_model')}) and use mmrl eval for the checkpoint")
+    model, processor = load_token_model(path, dtype, device, cfg.model.trust_remote_code)
+    v = cfg.video
+    opts = VideoOptions(v.backend, v.fps, v.nframes, v.min_pixels, v.max_pixels, v.total_pixels)
+    return TokenPolicy(model, processor, cfg.sampler, cfg.model.lora, opts, cfg.model.freeze_vision,
+                       cfg.model.reference, path, v.on_error, v.cache_size)

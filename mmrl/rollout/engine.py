@@ -1,0 +1,68 @@
+"""Rollout engines for token policies: who generates completions. HF `generate` here; vLLM plugs in behind
+the same interface (issue 6) without the policy or the trainer changing.
+
+An engine takes a left-padded prompt batch (the processor's tensors for B prompts) and returns completion
+token ids [B * G, C] (rows grouped by prompt: prompt b owns rows b*G .. b*G + G - 1), padded with pad_id after
+the first EOS. The policy recomputes every log-prob itself, so an engine returns tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0      # 0 = greedy
+    top_p: float = 1.0
+    group_size: int = 1           # completions per prompt
+
+
+class RolloutEngine(Protocol):
+    def generate(self, batch: dict[str, torch.Tensor], params: SamplingParams, seed: int) -> torch.Tensor:
+        """batch: processor output for B prompts (left-padded). Returns completion ids [B * G, C]."""
+
+    def sync_weights(self) -> None:
+        """Called after each optimizer step (engines holding their own copy of the weights reload them)."""
+
+
+class HFEngine:
+    """transformers `generate` on the policy's own model (no weight copy: sync is a no-op)."""
+
+    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int):
+        self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
+
+    @torch.no_grad()
+    def generate(self, batch, params, seed):
+        torch.manual_seed(seed)
+        greedy = params.temperature == 0
+        kw = dict(do_sample=not greedy, max_new_tokens=params.max_new_tokens, num_return_sequences=params.group_size,
+                  eos_token_id=self.eos_id, pad_token_id=self.pad_id, use_cache=True)
+        if not greedy:
+            kw.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            seqs = self.model.generate(**batch, **kw)
+        finally:
+            self.model.train(was_training)
+        return pad_after_eos(seqs[:, batch["input_ids"].shape[1]:], self.eos_id, self.pad_id)
+
+    def sync_weights(self):
+        pass
+
+
+def pad_after_eos(ids: torch.Tensor, eos_id: int, pad_id: int) -> torch.Tensor:
+    """[n, C] ids with every token after the first EOS replaced by pad_id (the EOS itself is kept)."""
+    return ids.masked_fill(completion_mask(ids, eos_id) == 0, pad_id)
+
+
+def completion_mask(ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[n, C] bool: tokens up to and including the first EOS (all tokens when there is none)."""
+    is_eos = ids == eos_id
+    after = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
+    return ~after

@@ -1,0 +1,111 @@
+"""Temporal-grounding rewards and metrics (ALGORITHMS.md section 7; Time-R1 lineage, TempSamp-R1).
+
+The model answers `<think>...</think><answer>S to E</answer>` in seconds. `parse_answer` never raises: any
+string maps to an interval or to None (unparseable), and None scores 0 everywhere.
+
+    tiou(p, g)          |p ∩ g| / |p ∪ g|  (zero-length union: 1 if the intervals are equal, else 0)
+    iou_v2(p, g, T)     tIoU · (1 − |s − s'| / T) · (1 − |e − e'| / T)    (Time-R1's distance penalty)
+    multi_window_iou    best tIoU over several ground-truth windows (QVHighlights)
+    format_ok(text)     1 if the whole text is `<think>…</think> <answer>…</answer>`, else 0
+    R1@m                share of queries whose top-1 tIoU >= m (mmrl uses >=; Time-R1's evaluator uses >)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+_SPAN = re.compile(r"(\d+\.?\d*)\s*(?:to|and|-)\s*(\d+\.?\d*)")
+_FORMAT = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.S)
+THRESHOLDS = (0.3, 0.5, 0.7)
+
+
+def parse_answer(text, duration: float | None = None) -> tuple[float, float] | None:
+    """(start, end) in seconds from a model output, or None. Never raises, whatever `text` is.
+
+    The LAST <answer> block is read (the whole text when there is none), then the LAST "S to E" / "S and E" /
+    "S - E" in it. NaN/inf, start > end -> None. With a duration, the interval is clamped to [0, duration].
+    """
+    if not isinstance(text, str):
+        return None
+    blocks = _ANSWER.findall(text)
+    spans = _SPAN.findall(blocks[-1] if blocks else text)
+    if not spans:
+        return None
+    try:
+        s, e = float(spans[-1][0]), float(spans[-1][1])
+    except ValueError:
+        return None
+    if not (math.isfinite(s) and math.isfinite(e)) or s > e:
+        return None
+    if duration is not None and math.isfinite(duration) and duration > 0:
+        s, e = min(max(s, 0.0), duration), min(max(e, 0.0), duration)
+    return s, e
+
+
+def tiou(p: tuple[float, float] | None, g: tuple[float, float]) -> float:
+    if p is None:
+        return 0.0
+    inter = max(0.0, min(p[1], g[1]) - max(p[0], g[0]))
+    union = max(p[1], g[1]) - min(p[0], g[0])
+    if union <= 0:
+        return 1.0 if (p[0], p[1]) == (g[0], g[1]) else 0.0
+    return inter / union
+
+
+def iou_v2(p: tuple[float, float] | None, g: tuple[float, float], duration: float) -> float:
+    if p is None or duration <= 0:
+        return 0.0
+    return tiou(p, g) * (1 - abs(p[0] - g[0]) / duration) * (1 - abs(p[1] - g[1]) / duration)
+
+
+def multi_window_iou(p: tuple[float, float] | None, windows) -> float:
+    return max((tiou(p, tuple(w)) for w in windows), default=0.0)
+
+
+def format_ok(text) -> float:
+    return float(isinstance(text, str) and _FORMAT.fullmatch(text) is not None)
+
+
+def grounding_metrics(ious: list[float], thresholds=THRESHOLDS) -> dict:
+    """{"mIoU": mean tIoU, "R1@m": share with tIoU >= m, in percent}; unparseable answers enter as 0."""
+    n = max(len(ious), 1)
+    out = {"mIoU": sum(ious) / n}
+    out.update({f"R1@{m}": 100.0 * sum(i >= m for i in ious) / n for m in thresholds})
+    return out
+
+
+class GroundingReward:
+    """Reward callable `(completions: list[str], examples) -> dict[str, Tensor[N]]`.
+
+    examples carry "duration" (s) and "windows" ([[s, e], ...]: one for Charades-STA / ActivityNet, several for
+    QVHighlights). overall = iou_weight · accuracy + format_weight · format, where accuracy is "iou" (best
+    tIoU over windows) or "iou_v2" (distance-penalized, best over windows). Components are returned raw
+    ("iou", "iou_v2", "format", "parsed") so each is logged separately, and the R1 indicators
+    ("r1@0.3", ...) so an evaluation averages straight into R1@m.
+    """
+
+    def __init__(self, accuracy: str = "iou", iou_weight: float = 1.0, format_weight: float = 0.1):
+        if accuracy not in ("iou", "iou_v2"):
+            raise ValueError(f"accuracy must be 'iou' or 'iou_v2', got {accuracy!r}")
+        self.accuracy, self.iou_weight, self.format_weight = accuracy, iou_weight, format_weight
+
+    def __call__(self, completions, examples) -> dict[str, torch.Tensor]:
+        rows = {k: [] for k in ("iou", "iou_v2", "format", "parsed", *(f"r1@{m}" for m in THRESHOLDS))}
+        for text, ex in zip(completions, examples):
+            dur = float(ex["duration"])
+            p = parse_answer(text, dur)
+            windows = [tuple(map(float, w)) for w in ex["windows"]]
+            iou = multi_window_iou(p, windows)
+            rows["iou"].append(iou)
+            rows["iou_v2"].append(max(iou_v2(p, w, dur) for w in windows))
+            rows["format"].append(format_ok(text))
+            rows["parsed"].append(float(p is not None))
+            for m in THRESHOLDS:
+                rows[f"r1@{m}"].append(float(iou >= m))
+        out = {k: torch.tensor(v, dtype=torch.float32) for k, v in rows.items()}
+        out["overall"] = self.iou_weight * out[self.accuracy] + self.format_weight * out["format"]
+        return out
