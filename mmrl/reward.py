@@ -28,6 +28,13 @@ def _shapes(**kwargs):
     return ShapesReward(**kwargs)
 
 
+@REWARDS.register("grounding")
+def _grounding(**kwargs):
+    from rewards.grounding import GroundingReward
+
+    return GroundingReward(**kwargs)
+
+
 def _rows(outputs, i: int):
     return outputs[i:i + 1]
 

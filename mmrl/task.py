@@ -58,5 +58,90 @@ class PromptFileTask:
         return [{"prompt": p} for p in self.prompts]
 
 
+
+
+GROUNDING_PROMPT = ('To accurately pinpoint the event "{query}" in the video, determine the precise time period of '
+                    'the event. Output your thought process within the <think> </think> tags, then give the start '
+                    'and end times (in seconds) within the <answer> </answer> tags, e.g. <answer>12.5 to 17.0</answer>.')
+
+
+class GroundingTask:
+    """Video temporal grounding on a dataset in its distributed format (tasks/grounding_data.py).
+
+    task.kwargs: format (charades_sta | activitynet | qvhighlights), annotations, video_dir, durations
+    (Charades csv), eval_annotations / eval_video_dir / eval_durations (default: the training ones),
+    prompt (template with {query} and {duration}), answer (template with {start} and {end}: the reference
+    answer TempSamp-R1 injects), on_error / missing_video (raise | skip).
+    Examples: {"prompt", "video", "duration", "windows", "qid", "query"}.
+    """
+
+    def __init__(self, cfg, format: str = "charades_sta", annotations: str = "", video_dir: str = "",
+                 durations: str | None = None, eval_annotations: str | None = None, eval_video_dir: str | None = None,
+                 eval_durations: str | None = None, prompt: str = GROUNDING_PROMPT,
+                 answer: str = "<answer> {start:.2f} to {end:.2f} </answer>", on_error: str = "raise",
+                 missing_video: str = "raise"):
+        from tasks.grounding_data import load_dataset
+
+        if not annotations:
+            raise ValueError("task.kwargs.annotations is required for task.name=grounding (the annotation file)")
+        self.prompt_template, self.answer_template = prompt, answer
+        self.train = self._examples(load_dataset(format, annotations, video_dir, durations, on_error, missing_video))
+        ev = load_dataset(format, eval_annotations or annotations, eval_video_dir or video_dir,
+                          eval_durations or durations, on_error, missing_video)
+        self.eval = self._examples([e for e in ev if e["windows"]])[:cfg.eval_prompts]
+        if not self.train:
+            raise ValueError(f"{annotations}: no usable training queries")
+
+    def _examples(self, rows):
+        return [{**r, "prompt": self.prompt_template.format(query=r["query"], duration=r["duration"])} for r in rows
+                if r["windows"]]
+
+    def sample(self, n, rng):
+        return [self.train[rng.randrange(len(self.train))] for _ in range(n)]
+
+    def eval_examples(self):
+        return self.eval
+
+    def reference_output(self, ex) -> str:
+        """The ground-truth answer text (TempSamp-R1 off-policy injection; SFT targets)."""
+        s, e = ex["windows"][0]
+        return self.answer_template.format(start=s, end=e)
+
+
+class GroundingWorldTask(GroundingTask):
+    """The embedded synthetic-video world (tasks/grounding_world.py), built under task.kwargs.root on first use
+    and read back through the Charades-STA reader. kwargs: root, train_videos, test_videos, and GroundingTask's
+    prompt / answer."""
+
+    def __init__(self, cfg, root: str = "runs/grounding_world", train_videos: int = 600, test_videos: int = 200,
+                 **kwargs):
+        from tasks.grounding_world import ANSWER, PROMPT, build_world
+
+        w = build_world(root, {"train": train_videos, "test": test_videos})
+        kwargs.setdefault("prompt", PROMPT)
+        kwargs.setdefault("answer", ANSWER)
+        super().__init__(cfg, "charades_sta", w["train"]["annotations"], w["train"]["video_dir"],
+                         w["train"]["durations"], w["test"]["annotations"], w["test"]["video_dir"],
+                         w["test"]["durations"], **kwargs)
+
+
 TASKS.register("shapes")(ShapesTask)
 TASKS.register("prompt_file")(PromptFileTask)
+TASKS.register("grounding")(GroundingTask)
+TASKS.register("grounding_world")(GroundingWorldTask)
+
+
+def build_task(cfg):
+    """TASKS[cfg.name](cfg, **cfg.kwargs); an unknown kwarg fails naming the valid ones."""
+    import inspect
+
+    factory = TASKS[cfg.name]
+    params = inspect.signature(factory).parameters
+    valid = sorted(k for k in params if k != "cfg")
+    unknown = sorted(set(cfg.kwargs) - set(valid))
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise ValueError(f"task.kwargs {unknown} not understood by task {cfg.name!r}; valid: {valid}")
+    try:
+        return factory(cfg, **cfg.kwargs)
+    except TypeError as e:
+        raise ValueError(f"task {cfg.name!r}: {e}; valid task.kwargs: {valid}") from e

@@ -31,7 +31,7 @@ from mmrl.evaluation import evaluate_outputs
 from mmrl.metrics import Logger, Timer
 from mmrl.policy import POLICIES
 from mmrl.reward import REWARDS, RewardRunner
-from mmrl.task import TASKS
+from mmrl.task import build_task
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         torch.manual_seed(cfg.train.seed)
         self.policy = POLICIES[cfg.model.policy](cfg)
-        self.task = TASKS[cfg.task.name](cfg.task)
+        self.task = build_task(cfg.task)
         self.reward_fn = REWARDS[cfg.reward.name](**cfg.reward.kwargs)
         self.reward = RewardRunner(self.reward_fn, cfg.reward.on_error)
         self.params = list(self.policy.trainable_parameters())

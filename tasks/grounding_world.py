@@ -30,6 +30,9 @@ FPS, FRAMES, SIZE = 2, 16, 56
 DURATION = FRAMES / FPS  # 8.0 s
 WORLD_COLORS = ("red", "green", "blue", "yellow")
 TEMPLATES = ("the {} appears.", "a {} is shown.", "the {} is visible.")
+# Short prompt and answer for the small model (the generic Time-R1-style prompt lives in mmrl/task.py).
+PROMPT = "When does this happen: {query} Answer in seconds."
+ANSWER = "<think></think><answer>{start:g} to {end:g}</answer>"
 
 
 def _draw(d: ImageDraw.ImageDraw, shape: str, color: str, cx: int, cy: int, r: int) -> None:

@@ -22,3 +22,30 @@ def tiny_pixel_model(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("models") / "tiny-pixel")
     save_pipeline_parts(build_pipeline_parts(words, "tiny", 24), path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_world(tmp_path_factory) -> str:
+    """A small embedded grounding world (real mp4 files, Charades-STA annotations)."""
+    from tasks.grounding_world import build_world
+
+    root = str(tmp_path_factory.mktemp("world") / "grounding")
+    build_world(root, {"train": 6, "test": 3})
+    return root
+
+
+def build_tiny_vl(path: str, kind: str = "qwen2_5_vl") -> str:
+    """Save a tiny random-init Qwen-VL of `kind` (real class, local tokenizer and processor) at path."""
+    from mmrl.models.qwen_vl import build_model, build_processor, build_tokenizer
+    from tasks.grounding_world import ANSWER, PROMPT
+
+    torch.manual_seed(0)
+    tok = build_tokenizer([PROMPT, ANSWER, "red green blue yellow circle square triangle appears shown visible"])
+    build_model(kind, tok, "tiny").save_pretrained(path)
+    build_processor(kind, tok).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_vl(tmp_path_factory) -> str:
+    return build_tiny_vl(str(tmp_path_factory.mktemp("models") / "tiny-qwen2_5_vl"))

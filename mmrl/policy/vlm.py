@@ -43,7 +43,7 @@ def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torc
         logps.append(row_logits.gather(-1, row_ids.unsqueeze(-1)).squeeze(-1) - lse)
         with torch.no_grad():
             p = torch.softmax(row_logits.float(), -1)
-            ents.append(lse.float() - (p * row_logits.float()).sum(-1))
+            ents.append(lse.float() - torch.where(p > 0, p * row_logits.float(), 0.0).sum(-1))
     return torch.stack(logps), torch.stack(ents)
 
 
@@ -82,7 +82,13 @@ class TokenPolicy:
             self._ref_copy = copy.deepcopy(self.model).requires_grad_(False).eval()
         self.device = next(self.model.parameters()).device
         self.model.train()
-        self.engine = HFEngine(self.model, self.eos_id, self.pad_id)
+        # media placeholders (<|video_pad|> ...) and padding must never be sampled: a generated placeholder
+        # breaks the next forward. They are suppressed in generation AND in the log-probs, so both see one
+        # distribution.
+        specials = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
+        vocab = self.tokenizer.get_vocab()
+        self.suppress_ids = sorted({vocab[t] for t in specials if t in vocab} | ({self.pad_id} - {self.eos_id}))
+        self.engine = HFEngine(self.model, self.eos_id, self.pad_id, self.suppress_ids)
 
     # ------------------------------------------------------------------------------------------ prompts
     def _messages(self, ex: dict) -> list[dict]:
@@ -199,8 +205,12 @@ class TokenPolicy:
         c = ids.shape[1]
         logits = self.model(**batch, use_cache=False, logits_to_keep=c + 1).logits[:, :c]    # [n, C, V]
         temperature = self.cfg.temperature if self.cfg.temperature > 0 else 1.0
-        logp, ent = selective_log_softmax(logits.float() / temperature, ids.to(self.device))
-        return PolicyOutput(logp, {"entropy": ent})
+        logits = logits.float() / temperature
+        if self.suppress_ids:
+            logits[..., self.suppress_ids] = float("-inf")
+        logp, ent = selective_log_softmax(logits, ids.to(self.device))
+        real = completion_mask(ids, self.eos_id).to(self.device)  # padding after EOS: 0, never -inf
+        return PolicyOutput(logp.masked_fill(~real, 0.0), {"entropy": ent.masked_fill(~real, 0.0)})
 
     def replace_outputs(self, rollout: Rollout, rows: torch.Tensor, texts: list[str]) -> Rollout:
         """Rollout whose rows `rows` [k] hold `texts` (+ EOS) as completions, marked off-policy, their old

@@ -33,15 +33,16 @@ class RolloutEngine(Protocol):
 class HFEngine:
     """transformers `generate` on the policy's own model (no weight copy: sync is a no-op)."""
 
-    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int):
-        self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
+    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, suppress_ids: list[int] = ()):
+        self.model, self.eos_id, self.pad_id, self.suppress_ids = model, eos_id, pad_id, list(suppress_ids)
 
     @torch.no_grad()
     def generate(self, batch, params, seed):
         torch.manual_seed(seed)
         greedy = params.temperature == 0
         kw = dict(do_sample=not greedy, max_new_tokens=params.max_new_tokens, num_return_sequences=params.group_size,
-                  eos_token_id=self.eos_id, pad_token_id=self.pad_id, use_cache=True)
+                  eos_token_id=self.eos_id, pad_token_id=self.pad_id, use_cache=True,
+                  suppress_tokens=self.suppress_ids or None)
         if not greedy:
             kw.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
         was_training = self.model.training

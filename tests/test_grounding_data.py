@@ -1,0 +1,80 @@
+"""Dataset readers on small fixture files written in exactly the distributed formats; file:line errors."""
+
+import json
+
+import pytest
+
+from tasks.grounding_data import (DatasetError, SKIPPED, find_video, load_dataset, read_activitynet_captions,
+                                  read_charades_sta, read_qvhighlights)
+
+CHARADES_CSV = ("id,subject,scene,quality,relevance,verified,script,objects,descriptions,actions,length\n"
+                "AO8RW,HR43,Kitchen,6,7,Yes,\"A person puts a book.\",book,\"x\",c001 0.0 6.9,33.67\n"
+                "Y6R7T,HR43,Bedroom,6,7,Yes,\"\",,\"\",,30.25\n")
+
+
+def test_charades_sta(tmp_path):
+    (tmp_path / "c.csv").write_text(CHARADES_CSV)
+    (tmp_path / "sta.txt").write_text("AO8RW 0.0 6.9##a person is putting a book on a shelf.\n"
+                                      "Y6R7T 11.2 35.0##person opens the door.\n")
+    rows = read_charades_sta(str(tmp_path / "sta.txt"), str(tmp_path / "c.csv"))
+    assert rows[0] == {"qid": "AO8RW#1", "vid": "AO8RW", "query": "a person is putting a book on a shelf.",
+                       "duration": 33.67, "windows": [[0.0, 6.9]]}
+    assert rows[1]["windows"] == [[11.2, 30.25]]  # end clamped to the duration
+
+
+def test_charades_malformed_line_names_file_and_line(tmp_path):
+    (tmp_path / "c.csv").write_text(CHARADES_CSV)
+    bad = tmp_path / "sta.txt"
+    bad.write_text("AO8RW 0.0 6.9##ok.\nAO8RW 0.0##missing end\nAO8RW 5 2##backwards\nNOPE 1 2##unknown video\n")
+    with pytest.raises(DatasetError, match=r"sta.txt:2: expected 'VIDEOID START END##sentence'"):
+        read_charades_sta(str(bad), str(tmp_path / "c.csv"))
+    rows = read_charades_sta(str(bad), str(tmp_path / "c.csv"), on_error="skip")
+    assert len(rows) == 1 and SKIPPED[str(bad)] == 3
+    (tmp_path / "bad.csv").write_text("id,len\nAO8RW,3\n")
+    with pytest.raises(DatasetError, match="missing column"):
+        read_charades_sta(str(bad), str(tmp_path / "bad.csv"))
+
+
+def test_activitynet_captions(tmp_path):
+    p = tmp_path / "val_1.json"
+    p.write_text(json.dumps({"v_QOlSCBRmfWY": {"duration": 82.73, "timestamps": [[0.83, 19.86], [17.37, 60.81]],
+                                               "sentences": ["  A young woman is seen standing.", " She dances."]},
+                             "v_bad": {"duration": 10, "timestamps": [[1, 2]], "sentences": []}}))
+    with pytest.raises(DatasetError, match="v_bad"):
+        read_activitynet_captions(str(p))
+    rows = read_activitynet_captions(str(p), on_error="skip")
+    assert [r["query"] for r in rows] == ["A young woman is seen standing.", "She dances."]
+    assert rows[1]["windows"] == [[17.37, 60.81]] and rows[1]["duration"] == 82.73
+    p.write_text('{"v_a": {"duration": 1,\n "timestamps": [}')
+    with pytest.raises(DatasetError, match=r"val_1.json:2:\d+: not valid JSON"):
+        read_activitynet_captions(str(p))
+
+
+def test_qvhighlights(tmp_path):
+    p = tmp_path / "highlight_val_release.jsonl"
+    lines = [{"qid": 2579, "query": "A girl and her mother cooked while talking.", "duration": 150,
+              "vid": "j7rJstUseKg_360.0_510.0", "relevant_clip_ids": [0, 1], "saliency_scores": [[4, 3, 3]] * 2,
+              "relevant_windows": [[0, 4], [20, 24]]},
+             {"qid": 7, "query": "test split, no labels", "duration": 150, "vid": "x_0_150"}]
+    p.write_text("\n".join(json.dumps(x) for x in lines) + "\n{not json\n")
+    with pytest.raises(DatasetError, match=r"jsonl:3: not valid JSON"):
+        read_qvhighlights(str(p))
+    rows = read_qvhighlights(str(p), on_error="skip")
+    assert rows[0]["windows"] == [[0.0, 4.0], [20.0, 24.0]] and rows[1]["windows"] is None
+
+
+def test_load_dataset_finds_videos_and_reports_missing(tmp_path):
+    (tmp_path / "c.csv").write_text(CHARADES_CSV)
+    (tmp_path / "sta.txt").write_text("AO8RW 0.0 6.9##a.\nY6R7T 1 2##b.\n")
+    vids = tmp_path / "videos"
+    vids.mkdir()
+    (vids / "AO8RW.mp4").write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match="Y6R7T.*missing_video=skip"):
+        load_dataset("charades_sta", str(tmp_path / "sta.txt"), str(vids), str(tmp_path / "c.csv"))
+    rows = load_dataset("charades_sta", str(tmp_path / "sta.txt"), str(vids), str(tmp_path / "c.csv"),
+                        missing_video="skip")
+    assert [r["vid"] for r in rows] == ["AO8RW"] and rows[0]["video"].endswith("AO8RW.mp4")
+    (vids / "QOlSCBRmfWY.mkv").write_bytes(b"x")
+    assert find_video(str(vids), "v_QOlSCBRmfWY").endswith("QOlSCBRmfWY.mkv")  # ActivityNet's v_ prefix
+    with pytest.raises(ValueError, match="valid:"):
+        load_dataset("kinetics", "a", "b")

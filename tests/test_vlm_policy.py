@@ -1,0 +1,131 @@
+"""Token-policy contract (shapes, determinism under a seed, on-policy ratio = 1) for Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL and a causal LM; video input; TempSamp-R1 injection; LoRA on the language model only."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import build_tiny_vl
+from mmrl.config import LoraConfig, SamplerConfig
+from mmrl.policy.vlm import TokenPolicy, load_token_model
+from mmrl.video import VideoError, VideoOptions
+
+VIDEO = VideoOptions(min_pixels=56 * 56, max_pixels=56 * 56)
+
+
+def examples(world, n=2, split="train"):
+    from mmrl.config import TaskConfig
+    from mmrl.task import GroundingWorldTask
+
+    task = GroundingWorldTask(TaskConfig(eval_prompts=4), root=world, train_videos=6, test_videos=3)
+    return task, task.sample(n, random.Random(0))
+
+
+def policy_for(path, lora=False, temperature=1.0, **kw):
+    model, proc = load_token_model(path)
+    return TokenPolicy(model, proc, SamplerConfig(temperature=temperature, max_new_tokens=10),
+                       LoraConfig(enabled=lora, rank=4, alpha=8), VIDEO, **kw)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_contract_vlm(kind, tmp_path, tiny_world):
+    pol = policy_for(build_tiny_vl(str(tmp_path / kind), kind))
+    _, exs = examples(tiny_world)
+    ro = pol.sample(exs, 3, torch.Generator().manual_seed(0))
+    n, c = ro.extras["completion_ids"].shape
+    assert n == 6 and ro.old_log_prob.shape == (n, c) == ro.action_mask.shape
+    assert ro.group_id.tolist() == [0, 0, 0, 1, 1, 1] and len(ro.outputs) == 6
+    assert (ro.old_log_prob[~ro.action_mask] == 0).all() and (ro.old_log_prob[ro.action_mask] < 0).all()
+    again = pol.sample(exs, 3, torch.Generator().manual_seed(0))
+    assert torch.equal(again.extras["completion_ids"], ro.extras["completion_ids"])  # determinism under a seed
+    # on-policy ratio = 1: recomputed log-probs equal the rollout's, in any minibatch composition
+    for idx in (torch.arange(n), torch.tensor([4, 1]), torch.tensor([5])):
+        with torch.no_grad():
+            lp = pol.log_prob(ro, idx).log_prob
+        ratio = torch.exp(lp - ro.old_log_prob[idx])[ro.action_mask[idx]]
+        assert (ratio - 1).abs().max() < 1e-5
+
+
+def test_contract_causal_lm(tmp_path):
+    from mmrl.models.qwen_vl import build_causal_lm, build_tokenizer
+    from mmrl.data import Rollout  # noqa: F401
+
+    tok = build_tokenizer(["what is two plus two? four"])
+    build_causal_lm(tok).save_pretrained(tmp_path / "lm")
+    tok.save_pretrained(tmp_path / "lm")
+    pol = policy_for(str(tmp_path / "lm"))
+    assert not pol.is_vlm
+    exs = [{"prompt": "what is two plus two?"}, {"prompt": "a much longer prompt than the first one is"}]
+    ro = pol.sample(exs, 2, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        lp = pol.log_prob(ro, torch.tensor([3, 0])).log_prob
+    assert (torch.exp(lp - ro.old_log_prob[[3, 0]])[ro.action_mask[[3, 0]]] - 1).abs().max() < 1e-5
+    # left padding must not change a prompt's log-probs: position ids are counted over real tokens
+    alone = pol.sample(exs[:1], 2, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        solo = pol.log_prob(ro.select(torch.tensor([0])), torch.tensor([0])).log_prob
+    assert torch.allclose(solo, ro.old_log_prob[:1], atol=1e-5) and len(alone) == 2
+
+
+def test_video_reaches_the_model(tiny_vl, tiny_world):
+    """Video embeddings vary across tokens, and shuffling the frames changes the logits."""
+    pol = policy_for(tiny_vl)
+    _, exs = examples(tiny_world, 1)
+    enc = pol.encode_prompt(exs[0])
+    assert tuple(enc["video_grid_thw"][0].tolist()) == (8, 4, 4)  # 16 frames at 2 fps, 56 px -> 8 x 2 x 2 tokens
+    assert float(enc["second_per_grid_ts"][0]) == pytest.approx(1.0)  # temporal patch of 2 frames at 2 fps
+    batch = pol._collate([enc])
+    with torch.no_grad():
+        base = pol.model(**batch).logits[0, -1]
+        feats = pol.model.model.get_video_features(batch["pixel_values_videos"], batch["video_grid_thw"])
+        feats = torch.cat(list(feats.pooler_output if hasattr(feats, "pooler_output") else feats))
+        assert feats.std(0).mean() > 1e-3 * feats.abs().mean()
+        pv = batch["pixel_values_videos"].view(8, -1, batch["pixel_values_videos"].shape[-1])
+        shuffled = dict(batch, pixel_values_videos=pv.flip(0).reshape(batch["pixel_values_videos"].shape))
+        assert not torch.allclose(pol.model(**shuffled).logits[0, -1], base, atol=1e-6)
+
+
+def test_broken_videos_name_the_file_or_are_counted(tiny_vl, tiny_world, tmp_path):
+    bad = tmp_path / "broken.mp4"
+    bad.write_bytes(b"\x00not a video" * 50)
+    _, exs = examples(tiny_world, 2)
+    broken = [dict(exs[0], video=str(bad)), dict(exs[1], video=str(tmp_path / "missing.mp4"))]
+    pol = policy_for(tiny_vl)
+    with pytest.raises(VideoError, match="broken.mp4.*corrupt"):
+        pol.sample(broken[:1] + exs[1:], 2, torch.Generator().manual_seed(0))
+    with pytest.raises(VideoError, match="missing.mp4.*does not exist"):
+        pol.encode_prompt(broken[1])
+    pol = policy_for(tiny_vl, video_on_error="skip")
+    ro = pol.sample(broken + exs[:1], 2, torch.Generator().manual_seed(0))
+    assert len(ro) == 2 and pol.skipped_examples == 2
+
+
+def test_ground_truth_injection(tiny_vl, tiny_world):
+    from mmrl.algorithms.offpolicy import OFFPOLICY
+
+    pol = policy_for(tiny_vl)
+    task, exs = examples(tiny_world, 2)
+    ro = pol.sample(exs, 3, torch.Generator().manual_seed(0))
+    inj, stats = OFFPOLICY["ground_truth"](pol, ro, task)
+    assert inj.is_offpolicy.tolist() == [False, False, True, False, False, True] and stats["offpolicy/injected"] == 2
+    assert inj.outputs[2] == task.reference_output(exs[0]) and inj.outputs[0] == ro.outputs[0]
+    with torch.no_grad():
+        lp = pol.log_prob(inj, torch.arange(6)).log_prob
+    assert torch.allclose(lp[inj.action_mask], inj.old_log_prob[inj.action_mask], atol=1e-5)
+
+
+def test_lora_trains_the_language_model_only(tiny_vl, tiny_world):
+    pol = policy_for(tiny_vl, lora=True)
+    names = [n for n, p in pol.model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n and "visual" not in n for n in names)
+    _, exs = examples(tiny_world, 1)
+    ro = pol.sample(exs, 2, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for p in pol.trainable_parameters():
+            p.add_(0.5 * torch.randn_like(p))
+        live = pol.log_prob(ro, torch.arange(2)).log_prob
+        with pol.reference():
+            ref = pol.log_prob(ro, torch.arange(2)).log_prob
+    m = ro.action_mask
+    assert torch.allclose(ref[m], ro.old_log_prob[m], atol=1e-5) and not torch.allclose(live[m], ref[m], atol=1e-4)
