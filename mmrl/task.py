@@ -113,7 +113,7 @@ class GroundingWorldTask(GroundingTask):
     and read back through the Charades-STA reader. kwargs: root, train_videos, test_videos, and GroundingTask's
     prompt / answer."""
 
-    def __init__(self, cfg, root: str = "runs/grounding_world", train_videos: int = 600, test_videos: int = 200,
+    def __init__(self, cfg, root: str = "runs/grounding_world", train_videos: int = 600, test_videos: int = 220,
                  **kwargs):
         from tasks.grounding_world import ANSWER, PROMPT, build_world
 

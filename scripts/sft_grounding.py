@@ -41,7 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default="runs/grounding-sft")
     p.add_argument("--world", default="runs/grounding_world", help="where the synthetic world is built")
     p.add_argument("--train-videos", type=int, default=600)
-    p.add_argument("--test-videos", type=int, default=200)
+    p.add_argument("--test-videos", type=int, default=220)
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--size", default="small", choices=["small", "tiny"])
     p.add_argument("--batch", type=int, default=16)

@@ -99,11 +99,16 @@ def write_mp4(path: str, frames: np.ndarray, fps: int = FPS) -> None:
 def build_world(root: str, n_videos: dict[str, int] | None = None, seed: int = 0) -> dict[str, dict]:
     """Write the world under root; a complete world with the same parameters (world.json) is reused.
 
-    Returns {split: {"annotations": txt, "durations": csv, "video_dir": dir}} for splits "train" and "test".
+    n_videos=None reads an existing world as it is (or builds the default 600 / 200 videos). Returns
+    {split: {"annotations": txt, "durations": csv, "video_dir": dir}} for splits "train" and "test".
     """
-    n_videos = n_videos or {"train": 600, "test": 200}
     video_dir = os.path.join(root, "videos")
     manifest = os.path.join(root, "world.json")
+    if n_videos is None and os.path.isfile(manifest):  # read an existing world as it is
+        with open(manifest) as f:
+            old = json.load(f)
+        n_videos, seed = old["n_videos"], old["seed"]
+    n_videos = n_videos or {"train": 600, "test": 220}
     params = {"n_videos": n_videos, "seed": seed, "fps": FPS, "frames": FRAMES, "size": SIZE}
     out = {split: {"annotations": os.path.join(root, f"charades_sta_{split}.txt"),
                    "durations": os.path.join(root, f"Charades_v1_{split}.csv"), "video_dir": video_dir}

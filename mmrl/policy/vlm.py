@@ -320,3 +320,20 @@ def build_token_policy(cfg) -> TokenPolicy:
     opts = VideoOptions(v.backend, v.fps, v.nframes, v.min_pixels, v.max_pixels, v.total_pixels)
     return TokenPolicy(model, processor, cfg.sampler, cfg.model.lora, opts, cfg.model.freeze_vision,
                        cfg.model.reference, path, v.on_error, v.cache_size)
+
+
+def load_token_policy(path: str, video: VideoOptions | None = None, video_on_error: str = "raise",
+                      max_new_tokens: int = 64) -> TokenPolicy:
+    """A TokenPolicy for evaluation from a model folder or an mmrl vlm checkpoint (full, or base + LoRA adapter)."""
+    from mmrl.config import LoraConfig, SamplerConfig
+
+    meta_file = os.path.join(path, "mmrl_policy.json")
+    meta = json.load(open(meta_file)) if os.path.isfile(meta_file) else {"lora": False}
+    model, processor = load_token_model(meta["base_model"] if meta["lora"] else path)
+    if meta["lora"]:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, path)
+    model.eval()
+    return TokenPolicy(model, processor, SamplerConfig(temperature=0.0, max_new_tokens=max_new_tokens), LoraConfig(),
+                       video, freeze_vision=True, reference="none", model_path=path, video_on_error=video_on_error)

@@ -1,0 +1,91 @@
+"""Benchmark grounding checkpoints: greedy answers -> R1@{0.3,0.5,0.7} (tIoU >= m, percent) and mIoU, with
+unparseable answers counted as 0, beside the blind constant-answer baseline.
+
+    python scripts/bench_grounding.py runs/grounding-sft runs/grounding_grpo/checkpoints/iter-000100/policy
+    python scripts/bench_grounding.py CKPT --format charades_sta --annotations charades_sta_test.txt \\
+        --durations Charades_v1_test.csv --video-dir Charades_v1_480 --fit-annotations charades_sta_train.txt
+    python scripts/bench_grounding.py CKPT --format qvhighlights --annotations highlight_val_release.jsonl \\
+        --video-dir videos --nframes 32 --max-pixels 200704
+
+Without --annotations the embedded world's held-out videos are used (--world). The constant baseline is the
+one window (as fractions of the duration) that maximizes mIoU on --fit-annotations (default: the world's
+training queries, or the evaluated queries themselves, which flatters it). The last line is one JSON object.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoints", nargs="+", help="model folders or mmrl vlm policy checkpoints")
+    p.add_argument("--format", default="charades_sta", choices=["charades_sta", "activitynet", "qvhighlights"])
+    p.add_argument("--annotations", help="annotation file (default: the embedded world's test split)")
+    p.add_argument("--durations", help="Charades_v1 csv (Charades-STA)")
+    p.add_argument("--video-dir")
+    p.add_argument("--fit-annotations", help="queries the constant baseline is fit on (same format)")
+    p.add_argument("--fit-durations")
+    p.add_argument("--world", default="runs/grounding_world")
+    p.add_argument("--n", type=int, default=0, help="evaluate the first n queries (0 = all)")
+    p.add_argument("--quick", action="store_true", help="the first 60 queries")
+    p.add_argument("--prompt", default=None, help="prompt template with {query} (default: the task's)")
+    p.add_argument("--fps", type=float, default=2.0)
+    p.add_argument("--nframes", type=int, default=None)
+    p.add_argument("--min-pixels", type=int, default=56 * 56)
+    p.add_argument("--max-pixels", type=int, default=56 * 56)
+    p.add_argument("--backend", default="decord", choices=["decord", "torchcodec"])
+    p.add_argument("--skip-broken", action="store_true", help="count unreadable videos (scored 0) instead of failing")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args(argv)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from mmrl.policy.vlm import load_token_policy
+    from mmrl.task import GROUNDING_PROMPT
+    from mmrl.video import VideoOptions
+    from tasks import grounding_eval
+    from tasks.grounding_data import load_dataset
+
+    missing = "skip" if args.skip_broken else "raise"
+    if args.annotations:
+        rows = load_dataset(args.format, args.annotations, args.video_dir, args.durations, missing_video=missing)
+        fit = (load_dataset(args.format, args.fit_annotations, args.video_dir, args.fit_durations or args.durations,
+                            missing_video="skip") if args.fit_annotations else rows)
+        template = args.prompt or GROUNDING_PROMPT
+    else:
+        from tasks.grounding_world import PROMPT, build_world
+
+        w = build_world(args.world)
+        rows = load_dataset("charades_sta", w["test"]["annotations"], w["test"]["video_dir"], w["test"]["durations"])
+        fit = load_dataset("charades_sta", w["train"]["annotations"], w["train"]["video_dir"],
+                           w["train"]["durations"])
+        template = args.prompt or PROMPT
+    rows = [r for r in rows if r["windows"]]
+    n = 60 if args.quick else (args.n or len(rows))
+    examples = [{**r, "prompt": template.format(query=r["query"], duration=r["duration"])} for r in rows[:n]]
+    video = VideoOptions(args.backend, args.fps, args.nframes, args.min_pixels, args.max_pixels)
+    results = {"constant_baseline": grounding_eval.constant_baseline([r for r in fit if r["windows"]], examples)}
+    b = results["constant_baseline"]
+    print(f"constant answer {b['window_fraction']} x duration: mIoU {b['mIoU']:.4f} R1@0.3 {b['R1@0.3']:.1f} "
+          f"R1@0.5 {b['R1@0.5']:.1f} R1@0.7 {b['R1@0.7']:.1f}")
+    for ck in args.checkpoints:
+        t0 = time.time()
+        policy = load_token_policy(ck, video, "skip" if args.skip_broken else "raise", args.max_new_tokens)
+        res = grounding_eval.evaluate(policy, examples)
+        res["seconds"] = round(time.time() - t0, 1)
+        res["skipped_videos"] = policy.skipped_examples
+        results[ck] = res
+        print(f"{ck}: mIoU {res['mIoU']:.4f} R1@0.3 {res['R1@0.3']:.1f} R1@0.5 {res['R1@0.5']:.1f} "
+              f"R1@0.7 {res['R1@0.7']:.1f} parsed {res['parsed']:.3f} (n={res['n']})")
+    print(json.dumps({"n_queries": len(examples), "results": results}))
+
+
+if __name__ == "__main__":
+    main()

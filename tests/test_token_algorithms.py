@@ -1,0 +1,93 @@
+"""GSPO's sequence-level ratio, off-policy injection diagnostics, Rollout.concat, DAPO dynamic sampling."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from mmrl.algorithms import ADVANTAGES, RATIO_TRANSFORMS
+from mmrl.algorithms.offpolicy import injection_diagnostics
+from mmrl.config import AlgoConfig
+from mmrl.data import Rollout
+
+
+def _ro(mask, n_groups=1, a=None):
+    mask = torch.tensor(mask, dtype=torch.bool)
+    n = mask.shape[0]
+    return Rollout(group_id=torch.arange(n) // (n // n_groups), old_log_prob=torch.zeros(mask.shape),
+                   action_mask=mask, examples=[{}] * n, outputs=["x"] * n,
+                   extras={"completion_ids": torch.ones(mask.shape, dtype=torch.long)})
+
+
+def test_gspo_value_is_sequence_ratio_and_gradient_is_token_level():
+    ro = _ro([[1, 1, 0], [1, 1, 1]])
+    old = torch.tensor([[-1.0, -2.0, 0.0], [-1.0, -1.0, -1.0]])
+    logp = torch.tensor([[-0.5, -2.5, -9.0], [-1.0, -0.7, -1.6]], requires_grad=True)
+    out = RATIO_TRANSFORMS["gspo"](logp, old, ro, None)
+    # sample 0: mean over its 2 tokens of (0.5, -0.5) = 0; sample 1: mean(0, 0.3, -0.6) = -0.1
+    ratio = torch.exp(out - old)
+    assert ratio[0, :2].tolist() == pytest.approx([1.0, 1.0])
+    assert ratio[1].tolist() == pytest.approx([math.exp(-0.1)] * 3)
+    ratio[1].sum().backward()  # d/d logp_t of s_i * (#tokens) = s_i per token (sg on the sequence ratio)
+    assert logp.grad[1].tolist() == pytest.approx([math.exp(-0.1)] * 3)
+
+
+def test_injection_diagnostics_by_hand():
+    cfg = AlgoConfig()
+    rewards = torch.tensor([0.0, 0.3, 0.35, 1.0])          # one group; the last row is injected
+    off = torch.tensor([False, False, False, True])
+    d = injection_diagnostics(rewards, torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.bool), off,
+                              lambda r, g, v: ADVANTAGES["grpo"](r, g, v, cfg)[0])
+    assert d["offpolicy/group_mean_shift"] == pytest.approx(1.65 / 4 - 0.65 / 3)
+    # group mean without the injected row 0.2167: signs (-, +, +); with it 0.4125: (-, -, -) -> 2 of 3 flip
+    assert d["offpolicy/sign_flip_rate"] == pytest.approx(2 / 3)
+    assert d["offpolicy/reward_mean"] == pytest.approx(1.0)
+
+
+def test_rollout_concat_pads_actions_and_renumbers_groups():
+    a, b = _ro([[1, 1], [1, 0]]), _ro([[1, 1, 1], [1, 1, 1]])
+    c = Rollout.concat([a, b])
+    assert c.group_id.tolist() == [0, 0, 1, 1] and c.action_mask.shape == (4, 3)
+    assert c.action_mask[:2, 2].tolist() == [False, False] and c.extras["completion_ids"].shape == (4, 3)
+    assert c.outputs == ["x"] * 4
+
+
+def test_dynamic_sampling_refills_zero_std_groups(tmp_path):
+    """A fake policy whose groups alternate between constant and varied rewards: DAPO keeps the varied ones."""
+    from mmrl.trainer import Trainer
+
+    class Fake:
+        calls = 0
+
+        def sample(self, examples, g, gen):
+            Fake.calls += 1
+            rows = [dict(ex, k=i) for ex in examples for i in range(g)]
+            return Rollout(group_id=torch.arange(len(rows)) // g, old_log_prob=torch.zeros(len(rows), 1),
+                           action_mask=torch.ones(len(rows), 1, dtype=torch.bool), examples=rows,
+                           outputs=[r["prompt"] for r in rows])
+
+    class Task:
+        n = 0
+
+        def sample(self, n, rng):
+            Task.n += n
+            return [{"prompt": f"p{Task.n - n + i}"} for i in range(n)]
+
+    def reward(outputs, examples):  # even prompts: all 1 (zero std); odd prompts: 0/1
+        vals = [1.0 if int(e["prompt"][1:]) % 2 == 0 else float(e["k"] % 2) for e in examples]
+        return {"overall": torch.tensor(vals)}
+
+    from mmrl.config import load_config
+    from mmrl.reward import RewardRunner
+
+    cfg = load_config(None, ["train.prompts_per_iter=4", "train.group_size=2", "algo.dynamic_sampling=true",
+                             "algo.dynamic_sampling_tries=3", f"log.out_dir={tmp_path}"])
+    tr = Trainer.__new__(Trainer)
+    from mmrl.metrics import Timer
+
+    tr.cfg, tr.policy, tr.task, tr.reward, tr.timer = cfg, Fake(), Task(), RewardRunner(reward), Timer()
+    ro, rewards, valid, m = tr._collect(random.Random(0), torch.Generator().manual_seed(0))
+    assert len(ro) == 8 and m["dynamic/informative_groups"] == 4 and m["dynamic/rounds"] == 4  # found 2, 1, 0, 1
+    assert all(int(e["prompt"][1:]) % 2 == 1 for e in ro.examples)
+    assert ro.group_id.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
