@@ -45,7 +45,7 @@ def parse_args(argv=None):
                    help="what the transformer outputs (the loss is on the velocity either way)")
     p.add_argument("--cooldown", type=float, default=0.2, help="fraction of --minutes with the lr decaying to 0")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ema", type=float, default=0.999)
     p.add_argument("--cond-drop", type=float, default=0.1)
     p.add_argument("--threads", type=int, default=2)

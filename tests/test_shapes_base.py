@@ -14,4 +14,4 @@ def test_committed_base_scores_above_chance():
     assert sum(p.numel() for p in model.transformer.parameters()) > 2_000_000
     res = evaluate(model, shapes.balanced_prompts("heldout", 60, seed=1234), seed=0, progress=False)
     # 504-prompt figure in the README; an untrained model scores 0 strict and ~0.3 partial
-    assert res["partial"] > 0.33 and res["strict"] > 0.02, res
+    assert res["partial"] > 0.45 and res["strict"] > 0.2, res  # 37% strict on 240 held-out prompts at the end of pretraining
