@@ -30,3 +30,36 @@ class Policy(Protocol):
     @torch.no_grad()
     def evaluate(self, examples: list[dict], seed: int) -> object:
         """Deterministic evaluation outputs (e.g. ODE samples) for examples."""
+
+
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def write_policy_meta(path: str, policy: str, base_model: str, lora: bool) -> None:
+    """mmrl_policy.json: which policy wrote the checkpoint folder, its base model, and whether it is an adapter."""
+    import json
+    import os
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "mmrl_policy.json"), "w") as f:
+        json.dump({"policy": policy, "base_model": os.path.abspath(base_model), "lora": lora}, f, indent=2)
+
+
+def save_lora_adapter(module: torch.nn.Module, lora_config, path: str) -> None:
+    """The peft adapter of `module`: adapter_model.safetensors + adapter_config.json."""
+    import os
+
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(module).items()}, os.path.join(path, ADAPTER_FILE))
+    lora_config.save_pretrained(path)
+
+
+def load_lora_adapter(module: torch.nn.Module, path: str) -> None:
+    import os
+
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(module, load_file(os.path.join(path, ADAPTER_FILE)))

@@ -15,13 +15,12 @@ import json
 import os
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from mmrl.data import PolicyOutput, Rollout, group_ids
+from mmrl.policy.base import load_lora_adapter, save_lora_adapter, write_policy_meta
 from mmrl.policy.flow_model import FlowModel, load_flow_model, sigma_schedule
 from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std
 
-ADAPTER_FILE = "adapter_model.safetensors"
 # Flow-GRPO's SD3 LoRA targets: the joint attention projections of every MMDiT block.
 SD3_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
@@ -150,15 +149,9 @@ class FlowPolicy:
     def save_pretrained(self, path: str) -> None:
         """LoRA: peft adapter (adapter_model.safetensors + adapter_config.json). Full fine-tuning: the whole
         model folder (loadable by load_flow_model) for the pixel model, else the transformer's weights."""
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "mmrl_policy.json"), "w") as f:
-            json.dump({"policy": "flow", "base_model": os.path.abspath(self.model_path), "lora": self.lora}, f, indent=2)
+        write_policy_meta(path, "flow", self.model_path, self.lora)
         if self.lora:
-            from peft import get_peft_model_state_dict
-
-            save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(self.transformer).items()},
-                      os.path.join(path, ADAPTER_FILE))
-            self.lora_config.save_pretrained(path)
+            save_lora_adapter(self.transformer, self.lora_config, path)
             return
         self.transformer.save_pretrained(os.path.join(path, "transformer"))
         if self.model_path and os.path.isfile(os.path.join(self.model_path, "model_index.json")):
@@ -166,9 +159,7 @@ class FlowPolicy:
 
     def load_trainable_state(self, path: str) -> None:
         if self.lora:
-            from peft import set_peft_model_state_dict
-
-            set_peft_model_state_dict(self.transformer, load_file(os.path.join(path, ADAPTER_FILE)))
+            load_lora_adapter(self.transformer, path)
         else:
             _load_transformer_weights(self.transformer, path)
 
@@ -214,10 +205,10 @@ def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:
         model = load_flow_model(meta["base_model"], device=device)
         _load_transformer_weights(model.transformer, path)
         return model
-    from peft import LoraConfig, set_peft_model_state_dict
+    from peft import LoraConfig
 
     model = load_flow_model(meta["base_model"], device=device)
     model.transformer.add_adapter(LoraConfig.from_pretrained(path))
-    set_peft_model_state_dict(model.transformer, load_file(os.path.join(path, ADAPTER_FILE)))
+    load_lora_adapter(model.transformer, path)
     model.transformer.eval()
     return model

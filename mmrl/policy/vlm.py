@@ -22,14 +22,12 @@ import os
 from collections import OrderedDict
 
 import torch
-from safetensors.torch import load_file, save_file
-
 from mmrl.data import PolicyOutput, Rollout, group_ids
+from mmrl.policy.base import load_lora_adapter, save_lora_adapter, write_policy_meta
 from mmrl.rollout.engine import HFEngine, SamplingParams, completion_mask, pad_after_eos
 from mmrl.video import VideoCache, VideoError, VideoOptions
 
 log = logging.getLogger(__name__)
-ADAPTER_FILE = "adapter_model.safetensors"
 # LoRA on the language model only: attention and MLP projections, never the vision tower.
 DEFAULT_LORA_TARGETS = r"^(?!.*(visual|vision)).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
 _VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -107,9 +105,8 @@ class TokenPolicy:
         if key in self._prompts:
             self._prompts.move_to_end(key)
             return self._prompts[key]
-        text = self.tokenizer.apply_chat_template(self._messages(ex), tokenize=False, add_generation_prompt=True) \
-            if not self.is_vlm else self.processor.apply_chat_template(self._messages(ex), tokenize=False,
-                                                                       add_generation_prompt=True)
+        # processor is the tokenizer itself for causal LMs
+        text = self.processor.apply_chat_template(self._messages(ex), tokenize=False, add_generation_prompt=True)
         if not self.is_vlm:
             enc = dict(self.tokenizer([text], return_tensors="pt", add_special_tokens=False))
         elif ex.get("video"):
@@ -263,24 +260,16 @@ class TokenPolicy:
     # ---------------------------------------------------------------------------------------- save/load
     def save_pretrained(self, path: str) -> None:
         """LoRA: the peft adapter folder. Full fine-tuning: model + processor (loadable with from_pretrained)."""
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "mmrl_policy.json"), "w") as f:
-            json.dump({"policy": "vlm", "base_model": os.path.abspath(self.model_path), "lora": self.lora}, f, indent=2)
+        write_policy_meta(path, "vlm", self.model_path, self.lora)
         if self.lora:
-            from peft import get_peft_model_state_dict
-
-            save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(self.model).items()},
-                      os.path.join(path, ADAPTER_FILE))
-            self.lora_config.save_pretrained(path)
+            save_lora_adapter(self.model, self.lora_config, path)
         else:
             self.model.save_pretrained(path)
         self.processor.save_pretrained(path)
 
     def load_trainable_state(self, path: str) -> None:
         if self.lora:
-            from peft import set_peft_model_state_dict
-
-            set_peft_model_state_dict(self.model, load_file(os.path.join(path, ADAPTER_FILE)))
+            load_lora_adapter(self.model, path)
         else:
             self.model.load_state_dict(type(self.model).from_pretrained(path).state_dict())
 
