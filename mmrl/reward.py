@@ -35,6 +35,13 @@ def _grounding(**kwargs):
     return GroundingReward(**kwargs)
 
 
+@REWARDS.register("arithmetic")
+def _arithmetic(**kwargs):
+    from rewards.arithmetic import ArithmeticReward
+
+    return ArithmeticReward(**kwargs)
+
+
 def _rows(outputs, i: int):
     return outputs[i:i + 1]
 

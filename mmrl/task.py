@@ -125,10 +125,31 @@ class GroundingWorldTask(GroundingTask):
                          w["test"]["durations"], **kwargs)
 
 
+class ArithmeticTask:
+    """Integer arithmetic questions with exact answers (tasks/arithmetic.py): train and held-out problems are
+    disjoint. kwargs: lo, hi (operand range), ops (e.g. "+-"), prompt (template with {a} {op} {b})."""
+
+    def __init__(self, cfg, lo: int = 10, hi: int = 99, ops: str = "+-", prompt: str | None = None):
+        from tasks import arithmetic
+
+        kw = dict(lo=lo, hi=hi, ops=ops, prompt=prompt or arithmetic.PROMPT)
+        self.train = arithmetic.problems("train", **kw)
+        heldout = arithmetic.problems("heldout", **kw)
+        random.Random(1234).shuffle(heldout)
+        self.eval = heldout[:cfg.eval_prompts]
+
+    def sample(self, n, rng):
+        return [self.train[rng.randrange(len(self.train))] for _ in range(n)]
+
+    def eval_examples(self):
+        return self.eval
+
+
 TASKS.register("shapes")(ShapesTask)
 TASKS.register("prompt_file")(PromptFileTask)
 TASKS.register("grounding")(GroundingTask)
 TASKS.register("grounding_world")(GroundingWorldTask)
+TASKS.register("arithmetic")(ArithmeticTask)
 
 
 def build_task(cfg):

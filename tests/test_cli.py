@@ -49,3 +49,43 @@ def test_cli_config_error_is_clear(tmp_path):
     r = mmrl("train", "configs/tiny/flow_smoke.yaml", "algo.advantage=nope")
     assert r.returncode == 2
     assert "algo.advantage: unknown advantage estimator 'nope'; valid: ['dr_grpo', 'grpo']" in r.stderr
+
+
+def test_vlm_smoke_train_and_resume_bit_identical(tiny_vl, tiny_world, tmp_path):
+    """The token policy through the same CLI and loop: a tiny Qwen2.5-VL on the tiny grounding world."""
+    common = ["configs/tiny/vlm_smoke.yaml", f"model.path={tiny_vl}", f"task.kwargs.root={tiny_world}",
+              "task.kwargs.train_videos=6", "task.kwargs.test_videos=3"]
+    full = str(tmp_path / "full")
+    r = mmrl("train", *common, "train.iterations=3", f"log.out_dir={full}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["iterations"] == 3 and 0.0 <= res["eval_end"]["iou"] <= 1.0
+    lines = [json.loads(ln) for ln in open(os.path.join(full, "metrics.jsonl"))]
+    assert sum("reward/iou_mean" in ln for ln in lines) == 3
+
+    part = str(tmp_path / "part")
+    assert mmrl("train", *common, "train.iterations=2", f"log.out_dir={part}").returncode == 0
+    r = mmrl("train", *common, "train.iterations=3", f"log.out_dir={part}", "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = final_params(full), final_params(part)
+    assert a["iteration"] == b["iteration"] == 3
+    for x, y in zip(a["params"], b["params"]):
+        assert torch.equal(x, y)
+
+
+def test_causal_lm_smoke_train(tmp_path):
+    """A text-only causal LM on the arithmetic task through the real CLI (the SmolLM2 recipe, tiny model)."""
+    from mmrl.models.qwen_vl import build_causal_lm, build_tokenizer
+    from tasks import arithmetic
+
+    torch.manual_seed(0)
+    tok = build_tokenizer([p["prompt"] for p in arithmetic.problems("train", 10, 20)])
+    path = str(tmp_path / "tiny-lm")
+    build_causal_lm(tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    r = mmrl("train", "configs/text/smollm2_arithmetic.yaml", f"model.path={path}", "train.iterations=2",
+             "train.prompts_per_iter=2", "train.group_size=3", "task.eval_prompts=4", "train.threads=1",
+             "task.kwargs.hi=20", "log.progress=false", f"log.out_dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["iterations"] == 2 and 0.0 <= res["eval_end"]["correct"] <= 1.0
