@@ -19,7 +19,8 @@ class Rollout:
     """What `policy.sample` returns: everything the objective needs, indexed by sample along dim 0."""
 
     group_id: torch.Tensor        # [N] long: samples with one id share a prompt; advantages are relative within it
-    old_log_prob: torch.Tensor    # [N, A] log-prob of each action when it was sampled
+    old_log_prob: torch.Tensor    # [N, A] log-prob of each action when it was sampled; NaN rows = deferred
+                                  # (see Policy.defer_old_log_prob: the trainer's first pass fills them)
     action_mask: torch.Tensor     # [N, A] bool: actions that enter the loss
     examples: list[dict]          # [N] the task examples ({"prompt": ..., ...}), repeated per group member
     outputs: Any                  # images [N, 3, H, W] in [-1, 1] | list[str] of N completions

@@ -52,6 +52,11 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.ema = [p.detach().clone() for p in self.params] if cfg.train.ema_decay > 0 else None
         self.iteration = 0
+        # One optimizer step per epoch: every row's first forward runs under the sampling weights, so the
+        # rollout's old log-probs are that forward's (detached) values; policies that must pay an extra
+        # forward for them (token policies) skip it.
+        if hasattr(self.policy, "defer_old_log_prob"):
+            self.policy.defer_old_log_prob = cfg.train.minibatches == cfg.train.grad_accum
         self.logger = Logger(cfg.log.out_dir, cfg.log.tensorboard)
         self.timer = Timer()
 
@@ -94,6 +99,7 @@ class Trainer:
         shaped = REWARD_SHAPINGS[a.reward_shaping](rewards["overall"], a)
         adv_fn = lambda r, g, v: ADVANTAGES[a.advantage](r, g, v, a)[0]  # noqa: E731
         adv, adv_stats = ADVANTAGES[a.advantage](shaped, rollout.group_id, valid, a)
+        metrics["rollout/actions_mean"] = rollout.action_mask.sum(-1).float().mean().item()  # tokens: completion length
         rollout.action_mask &= valid.unsqueeze(-1)
         metrics.update({f"reward/{k}_mean": v[valid].mean().item() if valid.any() else 0.0 for k, v in rewards.items()})
         metrics["reward/overall_std"] = rewards["overall"][valid].std().item() if valid.sum() > 1 else 0.0
@@ -160,8 +166,14 @@ class Trainer:
                 first = m - m % t.grad_accum
                 step_rows = torch.cat(chunks[first:first + t.grad_accum])
                 n_step, a_step = len(step_rows), max(int(rollout.action_mask[step_rows].sum()), 1)
-                mb = rollout.select(idx)
                 out = self.policy.log_prob(rollout, idx)
+                deferred = torch.isnan(rollout.old_log_prob[idx])
+                if deferred.any():  # fill deferred old log-probs from this first forward (weights unchanged)
+                    if steps:
+                        raise RuntimeError("deferred old log-probs reached after an optimizer step")
+                    old = rollout.old_log_prob[idx]
+                    rollout.old_log_prob[idx] = torch.where(deferred, out.log_prob.detach().to(old), old)
+                mb = rollout.select(idx)
                 logp = RATIO_TRANSFORMS[a.ratio](out.log_prob, mb.old_log_prob, mb, out)
                 loss_a, s = POLICY_LOSSES[a.policy_loss](logp, mb.old_log_prob, adv[idx], a)
                 if a.kl_coef > 0:

@@ -91,3 +91,26 @@ def test_dynamic_sampling_refills_zero_std_groups(tmp_path):
     assert len(ro) == 8 and m["dynamic/informative_groups"] == 4 and m["dynamic/rounds"] == 4  # found 2, 1, 0, 1
     assert all(int(e["prompt"][1:]) % 2 == 1 for e in ro.examples)
     assert ro.group_id.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_deferred_old_log_prob_trains_identically(tiny_vl, tiny_world, tmp_path):
+    """One optimizer step per epoch: old log-probs taken from the trainer's first forward (no extra pass)
+    give the same update as those recomputed at rollout time; with 2 steps per epoch nothing is deferred."""
+    from mmrl.config import load_config
+    from mmrl.trainer import Trainer
+
+    def trainer(minibatches, out):
+        return Trainer(load_config("configs/tiny/vlm_smoke.yaml", [
+            f"model.path={tiny_vl}", f"task.kwargs.root={tiny_world}", "task.kwargs.train_videos=6",
+            "task.kwargs.test_videos=3", f"train.minibatches={minibatches}", "train.inner_epochs=2",
+            f"log.out_dir={tmp_path / out}", "log.tensorboard=false"]))
+
+    deferred, eager = trainer(1, "a"), trainer(1, "b")
+    assert deferred.policy.defer_old_log_prob
+    eager.policy.defer_old_log_prob = False
+    ma, mb = deferred.step(0), eager.step(0)
+    assert ma["train/optimizer_steps"] == mb["train/optimizer_steps"] == 2
+    assert abs(ma["train/ratio_mean"] - mb["train/ratio_mean"]) < 1e-6
+    for p, q in zip(deferred.params, eager.params):
+        assert torch.allclose(p, q, atol=1e-6)
+    assert not trainer(2, "c").policy.defer_old_log_prob

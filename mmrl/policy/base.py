@@ -11,6 +11,9 @@ from mmrl.data import PolicyOutput, Rollout
 
 
 class Policy(Protocol):
+    """Optional attribute `defer_old_log_prob: bool`: when the trainer sets it (one optimizer step per epoch),
+    `sample` may return NaN old log-probs and the trainer fills them from its first, still on-policy, forward."""
+
     def sample(self, examples: list[dict], group_size: int, generator: torch.Generator) -> Rollout:
         """Sample group_size outputs per example. Returns a Rollout of N = len(examples) * group_size rows."""
 

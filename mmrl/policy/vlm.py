@@ -58,6 +58,9 @@ class TokenPolicy:
         self._prompts: OrderedDict = OrderedDict()
         self.cache_size = cache_size
         self.skipped_examples = 0
+        # True: rollouts carry NaN old log-probs and the trainer takes them from its first forward (exact
+        # when that forward runs before any optimizer step); saves one forward pass per rollout.
+        self.defer_old_log_prob = False
         self.eos_id, self.pad_id = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.eos_id
@@ -181,7 +184,10 @@ class TokenPolicy:
         ro = Rollout(group_id=gid, old_log_prob=torch.zeros(completions.shape, dtype=torch.float32),
                      action_mask=mask, examples=rows, outputs=self.decode(completions),
                      extras={"completion_ids": completions}, is_offpolicy=is_offpolicy)
-        ro.old_log_prob = self.old_log_prob(ro, torch.arange(len(ro)))
+        if self.defer_old_log_prob:  # the trainer's first forward, under these same weights, fills them
+            ro.old_log_prob.fill_(float("nan"))
+        else:
+            ro.old_log_prob = self.old_log_prob(ro, torch.arange(len(ro)))
         return ro
 
     def decode(self, completions: torch.Tensor) -> list[str]:
