@@ -21,17 +21,29 @@ class Task(Protocol):
 
 
 class ShapesTask:
-    """The embedded shapes world (tasks/shapes.py): trains on one split of texts, evaluates on another."""
+    """The embedded shapes world (tasks/shapes.py): trains on one split of texts, evaluates on another.
 
-    def __init__(self, cfg):
+    kwargs: balanced (default True) draws each training prompt's category uniformly, then a text of it; the
+    texts themselves are far from balanced (3/4 of them are color attribution), like the benchmark is."""
+
+    def __init__(self, cfg, balanced: bool = True):
         from tasks import shapes
 
         self.train = shapes.prompts(cfg.split)
+        self.by_category: dict[str, list] = {}
+        for p in self.train:
+            self.by_category.setdefault(p.spec.category, []).append(p)
+        self.balanced = balanced
         self.eval = shapes.balanced_prompts(cfg.eval_split, cfg.eval_prompts, seed=1234)
 
+    def _draw(self, rng):
+        if self.balanced:
+            texts = self.by_category[sorted(self.by_category)[rng.randrange(len(self.by_category))]]
+            return texts[rng.randrange(len(texts))]
+        return self.train[rng.randrange(len(self.train))]
+
     def sample(self, n, rng):
-        return [{"prompt": p.text, "category": p.spec.category}
-                for p in (self.train[rng.randrange(len(self.train))] for _ in range(n))]
+        return [{"prompt": p.text, "category": p.spec.category} for p in (self._draw(rng) for _ in range(n))]
 
     def eval_examples(self):
         return [{"prompt": p.text, "category": p.spec.category} for p in self.eval]

@@ -48,3 +48,18 @@ def test_prompt_file(tmp_path):
     task = PromptFileTask(SimpleNamespace(prompt_file=str(good)))
     assert task.eval_examples() == [{"prompt": "a red circle"}, {"prompt": "two squares"}]
     assert len(task.sample(5, random.Random(0))) == 5
+
+
+def test_shapes_task_balances_categories_and_keeps_heldout_out():
+    from collections import Counter
+
+    from mmrl.config import TaskConfig
+    from mmrl.task import ShapesTask
+
+    task = ShapesTask(TaskConfig(eval_prompts=60))
+    drawn = task.sample(3000, random.Random(0))
+    counts = Counter(ex["category"] for ex in drawn)
+    assert len(counts) == 6 and all(400 <= c <= 600 for c in counts.values()), counts
+    assert not {ex["prompt"] for ex in drawn} & {ex["prompt"] for ex in task.eval_examples()}
+    raw = Counter(ex["category"] for ex in ShapesTask(TaskConfig(), balanced=False).sample(3000, random.Random(0)))
+    assert raw["color_attr"] > 1500  # the texts themselves are mostly color attribution
