@@ -83,20 +83,21 @@ class GroundingTask:
     task.kwargs: format (charades_sta | activitynet | qvhighlights), annotations, video_dir, durations
     (Charades csv), eval_annotations / eval_video_dir / eval_durations (default: the training ones),
     prompt (template with {query} and {duration}), answer (template with {start} and {end}: the reference
-    answer TempSamp-R1 injects), on_error / missing_video (raise | skip).
-    Examples: {"prompt", "video", "duration", "windows", "qid", "query"}.
+    answer TempSamp-R1 injects), on_error / missing_video (raise | skip), text_first (the query before the
+    video in the user turn; default: the video first, as Qwen-VL's grounding recipes do).
+    Examples: {"prompt", "video", "duration", "windows", "qid", "query", "text_first"}.
     """
 
     def __init__(self, cfg, format: str = "charades_sta", annotations: str = "", video_dir: str = "",
                  durations: str | None = None, eval_annotations: str | None = None, eval_video_dir: str | None = None,
                  eval_durations: str | None = None, prompt: str = GROUNDING_PROMPT,
                  answer: str = "<answer> {start:.2f} to {end:.2f} </answer>", on_error: str = "raise",
-                 missing_video: str = "raise"):
+                 missing_video: str = "raise", text_first: bool = False):
         from tasks.grounding_data import load_dataset
 
         if not annotations:
             raise ValueError("task.kwargs.annotations is required for task.name=grounding (the annotation file)")
-        self.prompt_template, self.answer_template = prompt, answer
+        self.prompt_template, self.answer_template, self.text_first = prompt, answer, text_first
         self.train = self._examples(load_dataset(format, annotations, video_dir, durations, on_error, missing_video))
         ev = load_dataset(format, eval_annotations or annotations, eval_video_dir or video_dir,
                           eval_durations or durations, on_error, missing_video)
@@ -105,8 +106,8 @@ class GroundingTask:
             raise ValueError(f"{annotations}: no usable training queries")
 
     def _examples(self, rows):
-        return [{**r, "prompt": self.prompt_template.format(query=r["query"], duration=r["duration"])} for r in rows
-                if r["windows"]]
+        return [{**r, "prompt": self.prompt_template.format(query=r["query"], duration=r["duration"]),
+                 "text_first": self.text_first} for r in rows if r["windows"]]
 
     def sample(self, n, rng):
         return [self.train[rng.randrange(len(self.train))] for _ in range(n)]
@@ -123,7 +124,9 @@ class GroundingTask:
 class GroundingWorldTask(GroundingTask):
     """The embedded synthetic-video world (tasks/grounding_world.py), built under task.kwargs.root on first use
     and read back through the Charades-STA reader. kwargs: root, train_videos, test_videos, and GroundingTask's
-    prompt / answer."""
+    prompt / answer / text_first. The query comes before the video by default: then the distance in M-RoPE
+    positions from the answer to each video token does not depend on the query's length, which a 1 M-parameter
+    model reading time off those distances cannot otherwise compensate for."""
 
     def __init__(self, cfg, root: str = "runs/grounding_world", train_videos: int = 600, test_videos: int = 220,
                  **kwargs):
@@ -132,6 +135,7 @@ class GroundingWorldTask(GroundingTask):
         w = build_world(root, {"train": train_videos, "test": test_videos})
         kwargs.setdefault("prompt", PROMPT)
         kwargs.setdefault("answer", ANSWER)
+        kwargs.setdefault("text_first", True)
         super().__init__(cfg, "charades_sta", w["train"]["annotations"], w["train"]["video_dir"],
                          w["train"]["durations"], w["test"]["annotations"], w["test"]["video_dir"],
                          w["test"]["durations"], **kwargs)

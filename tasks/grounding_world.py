@@ -3,7 +3,7 @@
 Each video is FRAMES frames at FPS on a mid-gray canvas (mid-gray = 0 after the vision tower's
 normalization; on a dark background the features of a tiny vision tower barely vary, see ENVIRONMENT.md).
 2-3 target objects (a colored shape each, unique in its video) are visible over integer-second intervals;
-1-2 distractors share a color or a shape with some target. A query names one target:
+1-2 distractors share a color or a shape with some target; each object owns one quadrant. A query names one target:
 
     charades_sta_{split}.txt     SYN00042 2.0 5.0##the red circle appears.
     Charades_v1_{split}.csv      id,length,...           (the columns Charades ships, durations in s)
@@ -46,23 +46,27 @@ def _draw(d: ImageDraw.ImageDraw, shape: str, color: str, cx: int, cy: int, r: i
 
 
 def make_video_spec(rng: random.Random) -> list[dict]:
-    """Objects of one video: [{"shape", "color", "start", "end", "cx", "cy", "r", "target"}], times in s."""
+    """Objects of one video: [{"shape", "color", "start", "end", "cx", "cy", "r", "target"}], times in s.
+
+    Each object owns one quadrant of the frame, which is exactly one merged 28 x 28 vision token of
+    Qwen-VL (2 x 2 patches of 14 px), so one video token sees one object: at most 4 objects per video."""
     kinds = [(s, c) for s in SHAPES for c in WORLD_COLORS]
     rng.shuffle(kinds)
     n_targets = rng.choice((2, 3))
     targets = kinds[:n_targets]
     # distractors share a shape or a color with a target but are never identical to one
     others = [k for k in kinds[n_targets:] if any(k[0] == t[0] or k[1] == t[1] for t in targets)]
-    distractors = others[:rng.choice((1, 2))]
-    slots = [(8, 8), (28, 28), (48, 8), (8, 48), (48, 48), (28, 8), (8, 28), (48, 28), (28, 48)]
-    rng.shuffle(slots)
+    distractors = others[:rng.choice((1, 2)) if n_targets == 2 else 1]
+    half = SIZE // 4
+    quadrants = [(half, half), (3 * half, half), (half, 3 * half), (3 * half, 3 * half)]
+    rng.shuffle(quadrants)
     objs = []
     for i, (shape, color) in enumerate(targets + distractors):
         length = rng.randint(2, 5)
         start = rng.randint(0, int(DURATION) - length)
-        cx, cy = slots[i]
+        cx, cy = quadrants[i]
         objs.append({"shape": shape, "color": color, "start": float(start), "end": float(start + length),
-                     "cx": cx, "cy": cy, "r": 7, "target": i < n_targets})
+                     "cx": cx, "cy": cy, "r": 10, "target": i < n_targets})
     return objs
 
 
@@ -109,7 +113,7 @@ def build_world(root: str, n_videos: dict[str, int] | None = None, seed: int = 0
             old = json.load(f)
         n_videos, seed = old["n_videos"], old["seed"]
     n_videos = n_videos or {"train": 600, "test": 220}
-    params = {"n_videos": n_videos, "seed": seed, "fps": FPS, "frames": FRAMES, "size": SIZE}
+    params = {"n_videos": n_videos, "seed": seed, "fps": FPS, "frames": FRAMES, "size": SIZE, "layout": "quadrants"}
     out = {split: {"annotations": os.path.join(root, f"charades_sta_{split}.txt"),
                    "durations": os.path.join(root, f"Charades_v1_{split}.csv"), "video_dir": video_dir}
            for split in n_videos}

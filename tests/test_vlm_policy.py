@@ -86,6 +86,29 @@ def test_video_reaches_the_model(tiny_vl, tiny_world):
         assert not torch.allclose(pol.model(**shuffled).logits[0, -1], base, atol=1e-6)
 
 
+def test_text_first_fixes_answer_to_video_distances(tiny_vl, tiny_world):
+    """The world puts the query before the video: the M-RoPE distance from the first answer position to every
+    video token is then the same for queries of different lengths (video first, it shifts with the length)."""
+    pol = policy_for(tiny_vl)
+    _, exs = examples(tiny_world, 1)
+    assert exs[0]["text_first"]
+    vid = pol.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+
+    def distances(text_first: bool, prompt: str) -> torch.Tensor:
+        b = pol._collate([pol.encode_prompt(dict(exs[0], prompt=prompt, text_first=text_first))])
+        pos, _ = pol.model.model.get_rope_index(b["input_ids"], b["mm_token_type_ids"],
+                                                video_grid_thw=b["video_grid_thw"],
+                                                second_per_grid_ts=b["second_per_grid_ts"],
+                                                attention_mask=b["attention_mask"])
+        ids = b["input_ids"][0]
+        assert (ids == vid).nonzero()[0] > 5 if text_first else (ids == vid).nonzero()[0] < 5
+        return pos[:, 0, -1:] - pos[:, 0, ids == vid]  # [3, video tokens]
+
+    short, long = "the red circle appears.", "the red circle appears. Answer in seconds, please."
+    assert torch.equal(distances(True, short), distances(True, long))
+    assert not torch.equal(distances(False, short), distances(False, long))
+
+
 def test_broken_videos_name_the_file_or_are_counted(tiny_vl, tiny_world, tmp_path):
     bad = tmp_path / "broken.mp4"
     bad.write_bytes(b"\x00not a video" * 50)

@@ -97,14 +97,15 @@ class TokenPolicy:
             return ex["messages"]
         if not self.is_vlm:
             return [{"role": "user", "content": ex["prompt"]}]
-        content = [{"type": "video"}] if ex.get("video") else [{"type": "image"}] if ex.get("image") else []
-        return [{"role": "user", "content": content + [{"type": "text", "text": ex["prompt"]}]}]
+        media = [{"type": "video"}] if ex.get("video") else [{"type": "image"}] if ex.get("image") else []
+        text = [{"type": "text", "text": ex["prompt"]}]
+        return [{"role": "user", "content": text + media if ex.get("text_first") else media + text}]
 
     def encode_prompt(self, ex: dict) -> dict[str, torch.Tensor]:
         """The processor's tensors for one prompt (input_ids [1, P], attention_mask [1, P], and for media e.g.
         pixel_values_videos [patches, D], video_grid_thw [1, 3]); cached by (prompt, media)."""
         key = (json.dumps(ex.get("messages"), sort_keys=True, default=str), ex.get("prompt"), ex.get("video"),
-               str(ex.get("image")))
+               str(ex.get("image")), bool(ex.get("text_first")))
         if key in self._prompts:
             self._prompts.move_to_end(key)
             return self._prompts[key]
