@@ -46,6 +46,8 @@ class SamplerConfig:
     sde_window_size: int = 0      # SDE on a window of this many steps, ODE elsewhere; 0 = every trainable step
     sde_window_range: list[int] = field(default_factory=lambda: [0, -1])  # [lo, hi) window starts; -1 = last step
     logprob_reduce: str = "mean"  # mean over latent elements (Flow-GRPO reference) | sum (joint density)
+    shared_noise: bool = False    # the samples of a group start from one initial noise (DanceGRPO): reward
+                                  # differences within a group then come from the trained SDE steps alone
     eval_steps: int = 16          # ODE steps for evaluation
     eval_cfg_scale: float = 4.0
     # token policies (vlm): sampling of completions; evaluation decodes greedily

@@ -13,6 +13,7 @@ that re-raises the configured backend's real error.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -77,6 +78,7 @@ def _install_backend(backend: str) -> None:
 
     if backend not in BACKENDS:
         raise ValueError(f"unknown video backend {backend!r}; valid: {BACKENDS}")
+    vp.logger.setLevel(max(vp.logger.level, logging.WARNING))  # it logs one INFO line per decoded video
     vp.FORCE_QWENVL_VIDEO_READER = backend
     readers = vp.VIDEO_READER_BACKENDS
     if not getattr(readers, "_mmrl", False):

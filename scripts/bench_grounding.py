@@ -34,6 +34,9 @@ def main(argv=None):
     p.add_argument("--n", type=int, default=0, help="evaluate the first n queries (0 = all)")
     p.add_argument("--quick", action="store_true", help="the first 60 queries")
     p.add_argument("--prompt", default=None, help="prompt template with {query} (default: the task's)")
+    p.add_argument("--text-first", action=argparse.BooleanOptionalAction, default=None,
+                   help="the query before the video in the prompt (default: yes for the embedded world, as it "
+                        "trains; no for real datasets)")
     p.add_argument("--fps", type=float, default=2.0)
     p.add_argument("--nframes", type=int, default=None)
     p.add_argument("--min-pixels", type=int, default=56 * 56)
@@ -59,6 +62,7 @@ def main(argv=None):
         fit = (load_dataset(args.format, args.fit_annotations, args.video_dir, args.fit_durations or args.durations,
                             missing_video="skip") if args.fit_annotations else rows)
         template = args.prompt or GROUNDING_PROMPT
+        text_first = bool(args.text_first)
     else:
         from tasks.grounding_world import PROMPT, build_world
 
@@ -67,9 +71,11 @@ def main(argv=None):
         fit = load_dataset("charades_sta", w["train"]["annotations"], w["train"]["video_dir"],
                            w["train"]["durations"])
         template = args.prompt or PROMPT
+        text_first = args.text_first is not False
     rows = [r for r in rows if r["windows"]]
     n = 60 if args.quick else (args.n or len(rows))
-    examples = [{**r, "prompt": template.format(query=r["query"], duration=r["duration"])} for r in rows[:n]]
+    examples = [{**r, "prompt": template.format(query=r["query"], duration=r["duration"]), "text_first": text_first}
+                for r in rows[:n]]
     video = VideoOptions(args.backend, args.fps, args.nframes, args.min_pixels, args.max_pixels)
     results = {"constant_baseline": grounding_eval.constant_baseline([r for r in fit if r["windows"]], examples)}
     b = results["constant_baseline"]

@@ -96,7 +96,8 @@ def run_trl(model_dir: str, args, imgs) -> tuple[list[float], float]:
         cfg = GRPOConfig(output_dir=out, use_cpu=True, max_steps=args.steps + 1, seed=0, report_to="none",
                          per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
                          max_completion_length=args.length, temperature=1.0, learning_rate=1e-4, beta=0.0,
-                         logging_steps=1, save_strategy="no", bf16=False, dataloader_num_workers=0)
+                         logging_steps=1, save_strategy="no", bf16=False, dataloader_num_workers=0,
+                         gradient_checkpointing=False)  # TRL turns it on by default; mmrl does not use it
         torch.manual_seed(0)
         GRPOTrainer(model=model, reward_funcs=length_reward, args=cfg, train_dataset=ds, processing_class=proc,
                     callbacks=[Clock()]).train()

@@ -70,3 +70,18 @@ def test_sde_window_and_lora_reference(tiny_pixel_model):
         ref = pol.log_prob(ro, torch.arange(4)).log_prob
     assert (cur - ref).abs().max() > 1e-5
     assert torch.equal(pol.log_prob(ro, torch.arange(4)).log_prob, cur)  # adapters back on after the context
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_shared_noise_starts_a_group_from_one_noise(tiny_pixel_model, shared):
+    """shared_noise: the rows of a group are identical up to the first SDE step and differ after it."""
+    pol = make_policy(tiny_pixel_model, **{"sampler.sde_window_size": 1, "sampler.sde_window_range": "[2,3]",
+                                           "sampler.shared_noise": shared})
+    ro = pol.sample(EXAMPLES, 3, torch.Generator().manual_seed(0))
+    x = ro.extras["latents"][:, 0]                                  # [6, C, H, W] state entering SDE step 2
+    assert ro.extras["step_index"][0].tolist() == [2]
+    assert torch.equal(x[0], x[1]) == shared and torch.equal(x[3], x[5]) == shared
+    assert not torch.equal(x[0], x[3])                              # groups never share
+    assert not torch.equal(ro.outputs[0], ro.outputs[1])            # the SDE step makes the rows differ
+    for idx in (torch.arange(6), torch.tensor([5, 0])):
+        assert (pol.log_prob(ro, idx).log_prob - ro.old_log_prob[idx]).abs().max() < 1e-5

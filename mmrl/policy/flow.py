@@ -77,7 +77,10 @@ class FlowPolicy:
         texts = [ex["prompt"] for ex in examples for _ in range(group_size)]
         n = len(texts)
         enc, pooled = self.model.encode_prompts(texts)              # [N, L, D], [N, P]
-        seeds = torch.randint(0, 2**31 - 1, (n,), generator=generator).tolist()
+        seeds = torch.randint(0, 2**31 - 1, (n,), generator=generator)
+        if self.cfg.shared_noise:  # one initial noise per group: rows b*G .. b*G+G-1 share seed b*G
+            seeds = seeds.view(len(examples), group_size)[:, :1].expand(-1, group_size).reshape(-1)
+        seeds = seeds.tolist()
         x = self.model.initial_noise(seeds, self.device)             # [N, C, H, W]
         window = self._window(generator)
         kinds = ["ode"] * self.cfg.num_steps
