@@ -2,7 +2,8 @@
 
     "12 + 30 = 42"  -> 42     "The answer is -7."  -> -7     "forty-two"  -> unparsed (0)
 
-Components: overall = correct (+ format_weight * parsed), correct, parsed.
+Components: correct, parsed (an integer was found), bare (the reply is only an integer, as the prompt asks:
+"42", " -7." ) and overall = correct + format_weight * bare.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def parse_last_int(text: str) -> int | None:
         return None
 
 
+BARE = re.compile(r"\s*-?\d+(?:,\d{3})*\.?\s*")
+
+
 class ArithmeticReward:
     def __init__(self, format_weight: float = 0.0):
         self.format_weight = format_weight
@@ -33,4 +37,6 @@ class ArithmeticReward:
         parsed = torch.tensor([g is not None for g in got], dtype=torch.float32)
         correct = torch.tensor([g is not None and g == int(ex["answer"]) for g, ex in zip(got, examples)],
                                dtype=torch.float32)
-        return {"overall": correct + self.format_weight * parsed, "correct": correct, "parsed": parsed}
+        bare = torch.tensor([isinstance(o, str) and BARE.fullmatch(o) is not None for o in outputs],
+                            dtype=torch.float32)
+        return {"overall": correct + self.format_weight * bare, "correct": correct, "parsed": parsed, "bare": bare}

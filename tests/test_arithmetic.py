@@ -30,10 +30,11 @@ def test_parse_never_raises(text):
 
 def test_reward_hand_values():
     exs = [{"answer": 42}, {"answer": -1}, {"answer": 5}, {"answer": 7}]
-    r = ArithmeticReward(format_weight=0.1)(["40 + 2 = 42", "-1", "five", "8"], exs)
+    r = ArithmeticReward(format_weight=0.1)(["40 + 2 = 42", "-1", "five", " 8.\n"], exs)
     assert r["correct"].tolist() == [1.0, 1.0, 0.0, 0.0]
     assert r["parsed"].tolist() == [1.0, 1.0, 0.0, 1.0]
-    assert torch.allclose(r["overall"], torch.tensor([1.1, 1.1, 0.0, 0.1]))
+    assert r["bare"].tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert torch.allclose(r["overall"], torch.tensor([1.0, 1.1, 0.0, 0.1]))
 
 
 def test_splits_disjoint_and_answers_right():
