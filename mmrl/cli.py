@@ -22,7 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("checkpoint")
     ev.add_argument("--n", type=int, default=504)
     ev.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)  # `--resume` may come before or after the overrides
+    if extra and (args.cmd != "train" or any(x.startswith("-") or "=" not in x for x in extra)):
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides += extra
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cmd == "train":
         from mmrl.config import load_config

@@ -51,6 +51,14 @@ def test_cli_config_error_is_clear(tmp_path):
     assert "algo.advantage: unknown advantage estimator 'nope'; valid: ['dr_grpo', 'grpo']" in r.stderr
 
 
+def test_cli_overrides_may_follow_resume():
+    """`--resume` before the overrides still reads them (here one with a bad value, so nothing runs)."""
+    r = mmrl("train", "configs/tiny/flow_smoke.yaml", "--resume", "algo.advantage=nope")
+    assert r.returncode == 2 and "unknown advantage estimator 'nope'" in r.stderr
+    r = mmrl("train", "configs/tiny/flow_smoke.yaml", "--resume", "--no-such-flag")
+    assert r.returncode == 2 and "unrecognized arguments: --no-such-flag" in r.stderr
+
+
 def test_vlm_smoke_train_and_resume_bit_identical(tiny_vl, tiny_world, tmp_path):
     """The token policy through the same CLI and loop: a tiny Qwen2.5-VL on the tiny grounding world."""
     common = ["configs/tiny/vlm_smoke.yaml", f"model.path={tiny_vl}", f"task.kwargs.root={tiny_world}",
