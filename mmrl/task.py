@@ -33,12 +33,12 @@ class ShapesTask:
         self.by_category: dict[str, list] = {}
         for p in self.train:
             self.by_category.setdefault(p.spec.category, []).append(p)
-        self.balanced = balanced
+        self.categories = sorted(self.by_category) if balanced else []
         self.eval = shapes.balanced_prompts(cfg.eval_split, cfg.eval_prompts, seed=1234)
 
     def _draw(self, rng):
-        if self.balanced:
-            texts = self.by_category[sorted(self.by_category)[rng.randrange(len(self.by_category))]]
+        if self.categories:
+            texts = self.by_category[self.categories[rng.randrange(len(self.categories))]]
             return texts[rng.randrange(len(texts))]
         return self.train[rng.randrange(len(self.train))]
 

@@ -12,20 +12,21 @@ import re
 
 import torch
 
+INT = r"-?\d+(?:,\d{3})*"              # an integer, thousands commas allowed
+BARE = re.compile(rf"\s*{INT}\.?\s*")   # a reply that is only an integer
+
+
 def parse_last_int(text: str) -> int | None:
     """The last integer written in `text` (thousands commas allowed); None when there is none. Never raises."""
     if not isinstance(text, str):
         return None
-    found = re.findall(r"-?\d+(?:,\d{3})*", text)
+    found = re.findall(INT, text)
     if not found:
         return None
     try:
         return int(found[-1].replace(",", ""))
     except ValueError:
         return None
-
-
-BARE = re.compile(r"\s*-?\d+(?:,\d{3})*\.?\s*")
 
 
 class ArithmeticReward:

@@ -22,25 +22,30 @@ def final_params(out_dir):
     return torch.load(os.path.join(out_dir, "checkpoints", ck, "trainer_state.pt"), weights_only=True)
 
 
-def test_smoke_train_and_resume_bit_identical(tiny_pixel_model, tmp_path):
-    common = ["configs/tiny/flow_smoke.yaml", f"model.path={tiny_pixel_model}", "train.ema_decay=0.9"]
-    full = str(tmp_path / "full")
+def full_and_resumed(common, tmp_path):
+    """Train 3 iterations straight, and 2 then --resume to 3. Returns (stdout and out_dir of the straight run,
+    the final trainer states of the straight and the resumed run)."""
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
     r = mmrl("train", *common, "train.iterations=3", f"log.out_dir={full}")
     assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert mmrl("train", *common, "train.iterations=2", f"log.out_dir={part}").returncode == 0
+    r2 = mmrl("train", *common, "train.iterations=3", f"log.out_dir={part}", "--resume")
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "resumed from" in r2.stderr
+    a, b = final_params(full), final_params(part)
+    assert a["iteration"] == b["iteration"] == 3
+    return r.stdout, full, a, b
+
+
+def test_smoke_train_and_resume_bit_identical(tiny_pixel_model, tmp_path):
+    common = ["configs/tiny/flow_smoke.yaml", f"model.path={tiny_pixel_model}", "train.ema_decay=0.9"]
+    stdout, full, a, b = full_and_resumed(common, tmp_path)
+    res = json.loads(stdout.strip().splitlines()[-1])
     assert res["iterations"] == 3 and 0.0 <= res["eval_end"]["strict"] <= 1.0
     lines = [json.loads(ln) for ln in open(os.path.join(full, "metrics.jsonl"))]
     train_lines = [ln for ln in lines if "reward/overall_mean" in ln]
     assert len(train_lines) == 3 and all("train/clip_frac" in ln and "ratio_per_action/0" in ln for ln in train_lines)
     assert os.listdir(os.path.join(full, "tb"))  # TensorBoard event files
-
-    part = str(tmp_path / "part")
-    assert mmrl("train", *common, "train.iterations=2", f"log.out_dir={part}").returncode == 0
-    r = mmrl("train", *common, "train.iterations=3", f"log.out_dir={part}", "--resume")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "resumed from" in r.stderr
-    a, b = final_params(full), final_params(part)
-    assert a["iteration"] == b["iteration"] == 3
     for x, y in zip(a["params"] + a["ema"], b["params"] + b["ema"]):
         assert torch.equal(x, y)
 
@@ -63,20 +68,11 @@ def test_vlm_smoke_train_and_resume_bit_identical(tiny_vl, tiny_world, tmp_path)
     """The token policy through the same CLI and loop: a tiny Qwen2.5-VL on the tiny grounding world."""
     common = ["configs/tiny/vlm_smoke.yaml", f"model.path={tiny_vl}", f"task.kwargs.root={tiny_world}",
               "task.kwargs.train_videos=6", "task.kwargs.test_videos=3"]
-    full = str(tmp_path / "full")
-    r = mmrl("train", *common, "train.iterations=3", f"log.out_dir={full}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    stdout, full, a, b = full_and_resumed(common, tmp_path)
+    res = json.loads(stdout.strip().splitlines()[-1])
     assert res["iterations"] == 3 and 0.0 <= res["eval_end"]["iou"] <= 1.0
     lines = [json.loads(ln) for ln in open(os.path.join(full, "metrics.jsonl"))]
     assert sum("reward/iou_mean" in ln for ln in lines) == 3
-
-    part = str(tmp_path / "part")
-    assert mmrl("train", *common, "train.iterations=2", f"log.out_dir={part}").returncode == 0
-    r = mmrl("train", *common, "train.iterations=3", f"log.out_dir={part}", "--resume")
-    assert r.returncode == 0, r.stderr[-3000:]
-    a, b = final_params(full), final_params(part)
-    assert a["iteration"] == b["iteration"] == 3
     for x, y in zip(a["params"], b["params"]):
         assert torch.equal(x, y)
 
