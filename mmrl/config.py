@@ -34,6 +34,7 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     trust_remote_code: bool = False  # transformers models: run code shipped with a checkpoint only if you trust it
     freeze_vision: bool = True    # vlm full fine-tuning: keep the vision tower frozen
+    shared_prefix: bool = True    # token policies: each prompt (with its media) runs once per group in scoring
 
 
 @dataclass

@@ -83,15 +83,20 @@ class GroundingReward:
 
     examples carry "duration" (s) and "windows" ([[s, e], ...]: one for Charades-STA / ActivityNet, several for
     QVHighlights). overall = iou_weight · accuracy + format_weight · format, where accuracy is "iou" (best
-    tIoU over windows) or "iou_v2" (distance-penalized, best over windows). Components are returned raw
+    tIoU over windows) or "iou_v2" (distance-penalized, best over windows), plus hit_weight when the tIoU
+reaches hit_threshold (an R1@m-shaped bonus that pays for tight windows, not hedged wide ones). Components are returned raw
     ("iou", "iou_v2", "format", "parsed") so each is logged separately, and the R1 indicators
     ("r1@0.3", ...) so an evaluation averages straight into R1@m.
     """
 
-    def __init__(self, accuracy: str = "iou", iou_weight: float = 1.0, format_weight: float = 0.1):
+    def __init__(self, accuracy: str = "iou", iou_weight: float = 1.0, format_weight: float = 0.1,
+                 hit_weight: float = 0.0, hit_threshold: float = 0.7):
         if accuracy not in ("iou", "iou_v2"):
             raise ValueError(f"accuracy must be 'iou' or 'iou_v2', got {accuracy!r}")
+        if not 0.0 < hit_threshold <= 1.0:
+            raise ValueError(f"hit_threshold must be in (0, 1], got {hit_threshold}")
         self.accuracy, self.iou_weight, self.format_weight = accuracy, iou_weight, format_weight
+        self.hit_weight, self.hit_threshold = hit_weight, hit_threshold
 
     def __call__(self, completions, examples) -> dict[str, torch.Tensor]:
         rows = {k: [] for k in ("iou", "iou_v2", "format", "parsed", *(f"r1@{m}" for m in THRESHOLDS))}
@@ -108,4 +113,6 @@ class GroundingReward:
                 rows[f"r1@{m}"].append(float(iou >= m))
         out = {k: torch.tensor(v, dtype=torch.float32) for k, v in rows.items()}
         out["overall"] = self.iou_weight * out[self.accuracy] + self.format_weight * out["format"]
+        if self.hit_weight:
+            out["overall"] += self.hit_weight * (out["iou"] >= self.hit_threshold).float()
         return out

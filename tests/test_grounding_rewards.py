@@ -62,6 +62,12 @@ def test_grounding_reward_components():
     assert v2["overall"].item() == pytest.approx((2 / 6) * 0.8 * 0.8)
     with pytest.raises(ValueError, match="iou_v2"):
         GroundingReward(accuracy="map")
+    # hit bonus: [4, 7] has tIoU 0.75 >= 0.7 and earns it; [2, 6] (1/3) does not
+    hit = GroundingReward(format_weight=0.0, hit_weight=0.5)(["<answer>4 to 7</answer>", "<answer>2 to 6</answer>"],
+                                                              [ex, ex])
+    assert hit["overall"].tolist() == pytest.approx([0.75 + 0.5, 2 / 6])
+    with pytest.raises(ValueError, match="hit_threshold"):
+        GroundingReward(hit_threshold=0.0)
 
 
 def test_constant_baseline_is_fit_on_train_and_scored_on_eval():

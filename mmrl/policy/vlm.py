@@ -7,7 +7,9 @@ by qwen-vl-utils with its frame metadata, `mmrl/video.py`) and cached; the same 
 every log-prob pass, so recomputed log-probs see exactly the sampled inputs.
 
 Sequence layout for scoring: [left-padded prompt | completion (right-padded after EOS)], the layout HF
-generation produces. Causal LMs get position ids counted over real tokens (as `generate` does); Qwen-VL
+generation produces. With shared_prefix (default) each distinct prompt runs once per scoring pass and its KV
+cache is indexed out to the G completions of its group: the same logits and gradients as the naive forward,
+without paying G times for a long video prompt. Causal LMs get position ids counted over real tokens (as `generate` does); Qwen-VL
 models compute their M-RoPE positions from the attention mask themselves. Log-probs are taken at the
 sampling temperature (logits / T) with a selective log-softmax that never materializes a second [n, C, V]
 tensor.
@@ -48,7 +50,8 @@ def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torc
 class TokenPolicy:
     def __init__(self, model, processor, sampler_cfg, lora_cfg, video: VideoOptions | None = None,
                  freeze_vision: bool = True, reference: str = "auto", model_path: str = "",
-                 video_on_error: str = "raise", cache_size: int = 512):
+                 video_on_error: str = "raise", cache_size: int = 512, shared_prefix: bool = True):
+        self.shared_prefix = shared_prefix
         self.model, self.processor, self.cfg, self.model_path = model, processor, sampler_cfg, model_path
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.is_vlm = self.tokenizer is not processor
@@ -205,9 +208,11 @@ class TokenPolicy:
     def log_prob(self, rollout: Rollout, index: torch.Tensor) -> PolicyOutput:
         ids = rollout.extras["completion_ids"][index]                                       # [n, C]
         prompts = [self.encode_prompt(rollout.examples[i]) for i in index.tolist()]
-        batch = self._collate(prompts, ids)
-        c = ids.shape[1]
-        logits = self.model(**batch, use_cache=False, logits_to_keep=c + 1).logits[:, :c]    # [n, C, V]
+        if self.shared_prefix:
+            logits = self._shared_prefix_logits(prompts, ids)
+        else:
+            c = ids.shape[1]
+            logits = self.model(**self._collate(prompts, ids), use_cache=False, logits_to_keep=c + 1).logits[:, :c]
         temperature = self.cfg.temperature if self.cfg.temperature > 0 else 1.0
         logits = logits.float() / temperature
         if self.suppress_ids:
@@ -215,6 +220,51 @@ class TokenPolicy:
         logp, ent = selective_log_softmax(logits, ids.to(self.device))
         real = completion_mask(ids, self.eos_id).to(self.device)  # padding after EOS: 0, never -inf
         return PolicyOutput(logp.masked_fill(~real, 0.0), {"entropy": ent.masked_fill(~real, 0.0)})
+
+    def _shared_prefix_logits(self, prompts: list[dict], ids: torch.Tensor) -> torch.Tensor:
+        """Logits [n, C, V] of completions ids [n, C] (row r under prompts[r]) with each distinct prompt (and its
+        media) run once: its KV cache is indexed out to its rows, then only completion tokens are run. Equals
+        the naive [prompt | completion] forward (same positions and mask; tests/test_vlm_policy.py); gradients
+        flow into the prompt pass through the cache."""
+        distinct = list({id(p): p for p in prompts}.values())                              # U prompts
+        order = {id(p): u for u, p in enumerate(distinct)}
+        rows = torch.tensor([order[id(p)] for p in prompts], device=self.device)           # [n] -> its prompt
+        pbatch = self._collate(distinct)                                                    # [U, P]
+        ppos = self._prompt_positions(pbatch)                   # [U, P] or [3, U, P]; None: the model's arange
+        out = self.model(**{**pbatch, **({"position_ids": ppos} if ppos is not None else {})}, use_cache=True,
+                         logits_to_keep=1)
+        first = out.logits[:, -1:][rows]                                                    # [n, 1, V]
+        c = ids.shape[1]
+        if c == 1:
+            return first
+        cache = out.past_key_values
+        cache.batch_select_indices(rows)                                                    # [n, heads, P, d]
+        pmask = pbatch["attention_mask"]                                                    # [U, P]
+        # completion tokens are text: one position each, continuing from the last (real) prompt token
+        start = (ppos[..., -1].view(-1, len(distinct)).amax(0) + 1 if ppos is not None
+                 else torch.full((len(distinct),), pmask.shape[1], device=self.device))       # [U]
+        ids = ids.to(self.device)
+        pos = start[rows].unsqueeze(1) + torch.arange(c - 1, device=self.device)           # [n, C-1]
+        mask = torch.cat([pmask[rows], completion_mask(ids, self.eos_id).long()[:, :-1]], 1)
+        rest = self.model(input_ids=ids[:, :-1], attention_mask=mask, position_ids=pos, past_key_values=cache,
+                          use_cache=True).logits                                            # [n, C-1, V]
+        return torch.cat([first, rest], 1)                                                  # [n, C, V]
+
+    def _prompt_positions(self, batch: dict) -> torch.Tensor | None:
+        """Position ids a full forward gives the prompt batch: counted over real tokens for causal LMs ([U, P],
+        from _collate); M-RoPE ids from the model's own get_rope_index ([3, U, P]) for prompts with media; None
+        for a VLM prompt without media (the model then uses a plain arange)."""
+        if not self.is_vlm:
+            return batch["position_ids"]
+        if not any(k in batch for k in ("image_grid_thw", "video_grid_thw")):
+            return None
+        import inspect
+
+        m = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        get_rope_index = m.model.get_rope_index
+        accepted = inspect.signature(get_rope_index).parameters
+        kw = {k: v for k, v in batch.items() if k in accepted and k != "input_ids"}
+        return get_rope_index(batch["input_ids"], **kw)[0]
 
     def replace_outputs(self, rollout: Rollout, rows: torch.Tensor, texts: list[str]) -> Rollout:
         """Rollout whose rows `rows` [k] hold `texts` (+ EOS) as completions, marked off-policy, their old
@@ -315,7 +365,7 @@ def build_token_policy(cfg) -> TokenPolicy:
     v = cfg.video
     opts = VideoOptions(v.backend, v.fps, v.nframes, v.min_pixels, v.max_pixels, v.total_pixels)
     return TokenPolicy(model, processor, cfg.sampler, cfg.model.lora, opts, cfg.model.freeze_vision,
-                       cfg.model.reference, path, v.on_error, v.cache_size)
+                       cfg.model.reference, path, v.on_error, v.cache_size, cfg.model.shared_prefix)
 
 
 def load_token_policy(path: str, video: VideoOptions | None = None, video_on_error: str = "raise",
