@@ -55,6 +55,7 @@ class SamplerConfig:
     temperature: float = 1.0      # log-probs are taken at this temperature too
     top_p: float = 1.0
     max_new_tokens: int = 64
+    engine: str = "prefix_cache"  # token policies: prefix_cache (each prompt prefilled once per group) | hf (generate)
 
 
 @dataclass

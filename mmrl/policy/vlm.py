@@ -26,7 +26,7 @@ from collections import OrderedDict
 import torch
 from mmrl.data import PolicyOutput, Rollout, group_ids
 from mmrl.policy.base import load_lora_adapter, save_lora_adapter, write_policy_meta
-from mmrl.rollout.engine import HFEngine, SamplingParams, completion_mask, pad_after_eos
+from mmrl.rollout.engine import HFEngine, PrefixCacheEngine, SamplingParams, completion_mask, pad_after_eos
 from mmrl.video import VideoCache, VideoError, VideoOptions
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,13 @@ class TokenPolicy:
         specials = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
         vocab = self.tokenizer.get_vocab()
         self.suppress_ids = sorted({vocab[t] for t in specials if t in vocab} | ({self.pad_id} - {self.eos_id}))
-        self.engine = HFEngine(self.model, self.eos_id, self.pad_id, self.suppress_ids)
+        engine = getattr(sampler_cfg, "engine", "prefix_cache")
+        if engine == "prefix_cache":
+            self.engine = PrefixCacheEngine(self.model, self.prefill, self.eos_id, self.pad_id, self.suppress_ids)
+        elif engine == "hf":
+            self.engine = HFEngine(self.model, self.eos_id, self.pad_id, self.suppress_ids)
+        else:
+            raise ValueError(f"sampler.engine={engine!r}; valid: prefix_cache, hf")
 
     # ------------------------------------------------------------------------------------------ prompts
     def _messages(self, ex: dict) -> list[dict]:
@@ -229,26 +235,31 @@ class TokenPolicy:
         distinct = list({id(p): p for p in prompts}.values())                              # U prompts
         order = {id(p): u for u, p in enumerate(distinct)}
         rows = torch.tensor([order[id(p)] for p in prompts], device=self.device)           # [n] -> its prompt
-        pbatch = self._collate(distinct)                                                    # [U, P]
-        ppos = self._prompt_positions(pbatch)                   # [U, P] or [3, U, P]; None: the model's arange
-        out = self.model(**{**pbatch, **({"position_ids": ppos} if ppos is not None else {})}, use_cache=True,
-                         logits_to_keep=1)
-        first = out.logits[:, -1:][rows]                                                    # [n, 1, V]
+        first, cache, start, mask = self.prefill(self._collate(distinct), rows)
         c = ids.shape[1]
         if c == 1:
-            return first
-        cache = out.past_key_values
-        cache.batch_select_indices(rows)                                                    # [n, heads, P, d]
-        pmask = pbatch["attention_mask"]                                                    # [U, P]
-        # completion tokens are text: one position each, continuing from the last (real) prompt token
-        start = (ppos[..., -1].view(-1, len(distinct)).amax(0) + 1 if ppos is not None
-                 else torch.full((len(distinct),), pmask.shape[1], device=self.device))       # [U]
+            return first[:, None]
         ids = ids.to(self.device)
-        pos = start[rows].unsqueeze(1) + torch.arange(c - 1, device=self.device)           # [n, C-1]
-        mask = torch.cat([pmask[rows], completion_mask(ids, self.eos_id).long()[:, :-1]], 1)
+        mask = torch.cat([mask, completion_mask(ids, self.eos_id).long()[:, :-1]], 1)
+        pos = start.unsqueeze(1) + torch.arange(c - 1, device=self.device)                 # [n, C-1]
         rest = self.model(input_ids=ids[:, :-1], attention_mask=mask, position_ids=pos, past_key_values=cache,
                           use_cache=True).logits                                            # [n, C-1, V]
-        return torch.cat([first, rest], 1)                                                  # [n, C, V]
+        return torch.cat([first[:, None], rest], 1)                                         # [n, C, V]
+
+    def prefill(self, batch: dict, rows: torch.Tensor):
+        """Run the U prompts of `batch` once and index them out to rows [n] (row -> prompt). Returns the logits
+        of each row's first completion token [n, V], the KV cache [n, heads, P, d] per layer, the position of
+        each row's first completion token [n] (completion tokens are text: one position each, continuing
+        from the last prompt token) and the prompt attention mask [n, P]."""
+        pos = self._prompt_positions(batch)                     # [U, P] or [3, U, P]; None: the model's arange
+        out = self.model(**{**batch, **({"position_ids": pos} if pos is not None else {})}, use_cache=True,
+                         logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_select_indices(rows)
+        u, width = batch["attention_mask"].shape
+        start = (pos[..., -1].view(-1, u).amax(0) + 1 if pos is not None
+                 else torch.full((u,), width, device=self.device))                         # [U]
+        return out.logits[:, -1][rows], cache, start[rows], batch["attention_mask"][rows]
 
     def _prompt_positions(self, batch: dict) -> torch.Tensor | None:
         """Position ids a full forward gives the prompt batch: counted over real tokens for causal LMs ([U, P],

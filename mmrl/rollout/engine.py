@@ -1,5 +1,6 @@
-"""Rollout engines for token policies: who generates completions. HF `generate` here; vLLM plugs in behind
-the same interface (issue 6) without the policy or the trainer changing.
+"""Rollout engines for token policies: who generates completions. HF `generate` (HFEngine) and a decoder
+over the policy's shared-prefix KV cache (PrefixCacheEngine); vLLM plugs in behind the same interface
+without the policy or the trainer changing.
 
 An engine takes a left-padded prompt batch (the processor's tensors for B prompts) and returns completion
 token ids [B * G, C] (rows grouped by prompt: prompt b owns rows b*G .. b*G + G - 1), padded with pad_id after
@@ -52,6 +53,60 @@ class HFEngine:
         finally:
             self.model.train(was_training)
         return pad_after_eos(seqs[:, batch["input_ids"].shape[1]:], self.eos_id, self.pad_id)
+
+    def sync_weights(self):
+        pass
+
+
+class PrefixCacheEngine:
+    """Each prompt is prefilled once (with its media) and its KV cache indexed out to its G rows, then tokens
+    are decoded against that cache: a group never pays G times for a long video prompt or the vision tower.
+    The prefill and the position ids are the policy's own (`prefill(batch, rows) -> (logits [n, V], cache,
+    first position [n], prompt mask [n, P])`), the ones its shared-prefix scoring uses, so sampling and
+    scoring see one distribution (greedy output equals HF `generate`; tests/test_vlm_policy.py)."""
+
+    def __init__(self, model: torch.nn.Module, prefill, eos_id: int, pad_id: int, suppress_ids: list[int] = ()):
+        self.model, self.prefill, self.eos_id, self.pad_id = model, prefill, eos_id, pad_id
+        self.suppress_ids = list(suppress_ids)
+
+    @torch.no_grad()
+    def generate(self, batch, params, seed):
+        n_prompts = batch["input_ids"].shape[0]
+        device = batch["input_ids"].device
+        rows = torch.arange(n_prompts, device=device).repeat_interleave(params.group_size)   # [n]
+        gen = torch.Generator(device).manual_seed(seed)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            logits, cache, start, mask = self.prefill(batch, rows)                           # [n, V] ...
+            done = torch.zeros(len(rows), dtype=torch.bool, device=device)
+            out = []
+            for k in range(params.max_new_tokens):
+                tok = self._pick(logits, params, gen).masked_fill(done, self.pad_id)          # [n]
+                out.append(tok)
+                alive = ~done                     # this step's token is real (EOS included)
+                done = done | (tok == self.eos_id)
+                if done.all() or k == params.max_new_tokens - 1:
+                    break
+                mask = torch.cat([mask, alive.long()[:, None]], 1)
+                logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=(start + k)[:, None],
+                                    past_key_values=cache, use_cache=True).logits[:, -1]
+        finally:
+            self.model.train(was_training)
+        return torch.stack(out, 1)                                                           # [n, C]
+
+    def _pick(self, logits, params, gen):
+        logits = logits.float()
+        if self.suppress_ids:
+            logits[:, self.suppress_ids] = float("-inf")
+        if params.temperature == 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits / params.temperature, -1)
+        if params.top_p < 1.0:  # nucleus: keep the smallest set of tokens whose mass reaches top_p
+            sorted_p, order = probs.sort(-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p > params.top_p
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        return torch.multinomial(probs, 1, generator=gen).squeeze(1)
 
     def sync_weights(self):
         pass
