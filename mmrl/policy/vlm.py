@@ -214,7 +214,7 @@ class TokenPolicy:
     def log_prob(self, rollout: Rollout, index: torch.Tensor) -> PolicyOutput:
         ids = rollout.extras["completion_ids"][index]                                       # [n, C]
         prompts = [self.encode_prompt(rollout.examples[i]) for i in index.tolist()]
-        if self.shared_prefix:
+        if self.shared_prefix and len({id(p) for p in prompts}) < len(prompts):  # some prompt has several rows
             logits = self._shared_prefix_logits(prompts, ids)
         else:
             c = ids.shape[1]
