@@ -15,7 +15,9 @@ def run(*args):
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("script", ["scripts/bench_shapes.py", "scripts/pretrain_shapes.py"])
+@pytest.mark.parametrize("script", ["scripts/bench_shapes.py", "scripts/pretrain_shapes.py", "scripts/bench_grounding.py",
+                                    "scripts/sft_grounding.py", "scripts/bench_vlm_step.py", "scripts/bench_prefix.py",
+                                    "scripts/export_smollm2.py"])
 def test_help(script):
     r = run(script, "--help")
     assert r.returncode == 0 and "usage" in r.stdout
@@ -40,3 +42,12 @@ def test_pretrain_tiny_writes_loadable_model(tmp_path):
     model = load_flow_model(out)
     assert model.generate(["a red circle"], [0], num_steps=2).shape == (1, 3, 36, 36)  # the default world size
     assert os.path.isfile(out + ".train_state.pt")
+
+
+def test_bench_prefix_quick():
+    """Shared-prefix vs naive scoring on a small video prompt: both timed, log-probs and gradients equal."""
+    r = run("scripts/bench_prefix.py", "--quick", "--frames", "8", "--side", "56", "--repeats", "1", "--threads", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["group"] == 4 and res["naive_s"] > 0 and res["shared_s"] > 0
+    assert res["max_abs_logprob_diff"] < 1e-5 and res["max_abs_grad_diff"] < 1e-5

@@ -1,0 +1,161 @@
+"""Shared-prefix scoring vs the naive forward: one group of G completions under one long video prompt.
+
+The token policy's scoring pass (`TokenPolicy.log_prob`, the training forward) either runs the full
+[prompt | completion] sequence G times (naive, `model.shared_prefix=false`) or runs the prompt with its video
+once and indexes its KV cache out to the G rows (shared, the default). This times forward + backward of the
+summed log-probs for both on the same small Qwen2.5-VL (real class, random init), reports the peak memory of
+each (CUDA: max_memory_allocated; CPU: a child process per mode, its peak RSS above its RSS once the model is
+loaded and the video decoded) and checks that log-probs and
+every gradient agree.
+
+    python scripts/bench_prefix.py            # G 8, 64 frames of 168x168 (1,152 video tokens), 64-token completions
+    python scripts/bench_prefix.py --quick    # G 4, 16 frames (288 video tokens), 16-token completions
+
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PROMPT = "When does the red circle appear?"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--group", type=int, default=8, help="G: completions sharing the prompt")
+    p.add_argument("--frames", type=int, default=64, help="video frames (2 per temporal token)")
+    p.add_argument("--side", type=int, default=168, help="frame side in pixels (28 px per merged token)")
+    p.add_argument("--length", type=int, default=64, help="completion tokens")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per mode (after one warm-up)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--mode", choices=["naive", "shared"], help=argparse.SUPPRESS)  # child process: one mode
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.group, args.frames, args.length, args.repeats = 4, 16, 16, 2
+    return args
+
+
+def build(folder: str, args) -> str:
+    """Model folder + an mp4 of random frames under folder; returns the video path."""
+    import numpy as np
+    import torch
+
+    from mmrl.models.qwen_vl import build_model, build_processor, build_tokenizer
+    from tasks.grounding_world import write_mp4
+
+    torch.manual_seed(0)
+    tok = build_tokenizer([PROMPT, "<answer>2 to 5</answer>"])
+    build_model("qwen2_5_vl", tok, "small").save_pretrained(folder)
+    build_processor("qwen2_5_vl", tok, frame_pixels=args.side * args.side).save_pretrained(folder)
+    frames = np.random.default_rng(0).integers(0, 255, (args.frames, args.side, args.side, 3), dtype=np.uint8)
+    write_mp4(os.path.join(folder, "clip.mp4"), frames)
+    return os.path.join(folder, "clip.mp4")
+
+
+def policy_and_rollout(folder: str, args):
+    import torch
+
+    from mmrl.config import LoraConfig, SamplerConfig
+    from mmrl.data import Rollout, group_ids
+    from mmrl.policy.vlm import TokenPolicy, load_token_model
+    from mmrl.video import VideoOptions
+
+    model, proc = load_token_model(folder)
+    px = args.side * args.side
+    pol = TokenPolicy(model, proc, SamplerConfig(temperature=1.0, max_new_tokens=args.length), LoraConfig(),
+                      VideoOptions(nframes=args.frames, min_pixels=px, max_pixels=px), freeze_vision=False,
+                      reference="none")
+    ex = {"prompt": PROMPT, "video": os.path.join(folder, "clip.mp4")}
+    prompt_len = pol.encode_prompt(ex)["input_ids"].shape[1]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, len(pol.tokenizer), (args.group, args.length), generator=g)
+    ids[ids == pol.eos_id] = pol.pad_id if pol.pad_id != pol.eos_id else 0  # full-length completions
+    ro = Rollout(group_id=group_ids(1, args.group), old_log_prob=torch.zeros(ids.shape),
+                 action_mask=torch.ones(ids.shape, dtype=torch.bool), examples=[ex] * args.group,
+                 outputs=[""] * args.group, extras={"completion_ids": ids})
+    return pol, ro, prompt_len
+
+
+def step(pol, ro, shared: bool):
+    """Forward + backward of the summed log-probs; returns (log-probs, {name: grad})."""
+    import torch
+
+    pol.shared_prefix = shared
+    pol.model.zero_grad(set_to_none=True)
+    lp = pol.log_prob(ro, torch.arange(len(ro))).log_prob
+    lp.sum().backward()
+    return lp.detach(), {n: p.grad.detach().clone() for n, p in pol.model.named_parameters() if p.grad is not None}
+
+
+def run_mode(args) -> dict:
+    """One mode in this process: times, and peak memory (CUDA allocator, or this process's peak RSS)."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    pol, ro, _ = policy_and_rollout(args.model_dir, args)
+    shared = args.mode == "shared"
+    pol.encode_prompt(ro.examples[0])  # decode the video before the memory baseline
+    rss_before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    step(pol, ro, shared)  # warm-up
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        step(pol, ro, shared)
+        times.append(time.perf_counter() - t0)
+    peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before)
+    return {"seconds": statistics.median(times), "peak_bytes": peak}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.mode:
+        print(json.dumps(run_mode(args)))
+        return
+    import torch
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as d:
+        build(d, args)
+        pol, ro, prompt_len = policy_and_rollout(d, args)
+        lp_naive, g_naive = step(pol, ro, shared=False)
+        lp_shared, g_shared = step(pol, ro, shared=True)
+        grad_diff = max((g_shared[n] - g_naive[n]).abs().max().item() for n in g_naive)
+        assert g_naive.keys() == g_shared.keys(), "the two modes reached different parameters"
+        del pol, ro
+        res = {}
+        for mode in ("naive", "shared"):  # a child process each, so each peak RSS is its own
+            cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--model-dir", d,
+                   "--group", str(args.group), "--frames", str(args.frames), "--side", str(args.side),
+                   "--length", str(args.length), "--repeats", str(args.repeats), "--threads", str(args.threads)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            res[mode] = json.loads(out.strip().splitlines()[-1])
+    print(json.dumps({
+        "model": "Qwen2_5_VLForConditionalGeneration (small)", "group": args.group, "prompt_tokens": prompt_len,
+        "completion_tokens": args.length, "threads": args.threads,
+        "naive_s": round(res["naive"]["seconds"], 3), "shared_s": round(res["shared"]["seconds"], 3),
+        "time_ratio_shared_over_naive": round(res["shared"]["seconds"] / res["naive"]["seconds"], 3),
+        "naive_peak_mib": round(res["naive"]["peak_bytes"] / 2**20, 1),
+        "shared_peak_mib": round(res["shared"]["peak_bytes"] / 2**20, 1),
+        "max_abs_logprob_diff": float((lp_shared - lp_naive).abs().max()), "max_abs_grad_diff": grad_diff,
+        "peak_memory": "cuda max_memory_allocated" if torch.cuda.is_available() else "cpu peak RSS above the loaded model, per process"}))
+
+
+if __name__ == "__main__":
+    main()
