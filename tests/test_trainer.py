@@ -36,6 +36,8 @@ def cfg_for(path, tmp_path, *items):
     ["algo.kl_coef=0.1", "algo.kl=k3"],
     ["algo.advantage=dr_grpo", "algo.loss_agg=token_mean", "sampler.kind=cps", "sampler.noise_level=0.5"],
     ["train.grad_accum=2", "train.inner_epochs=2", "train.ema_decay=0.5", "sampler.sde_window_size=2"],
+    ["algo.ratio=guard", "algo.weighting=guard_dt", "algo.clip_range=2e-6", "train.inner_epochs=2"],  # GRPO-Guard
+    ["algo.ratio=guard", "algo.weighting=tempflow", "sampler.sde_window_size=2"],  # Guard + TempFlow weights
 ])
 def test_option_combinations_run(tiny_pixel_model, tmp_path, items):
     tr = Trainer(cfg_for(tiny_pixel_model, tmp_path, "train.iterations=1", "log.eval_at_start=false", *items))

@@ -24,3 +24,17 @@ def gspo(log_prob, old_log_prob, rollout, out):
     m = rollout.action_mask.to(log_prob.dtype)
     seq = ((log_prob - old_log_prob) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)  # [n, 1]
     return old_log_prob + seq.detach() + log_prob - log_prob.detach()
+
+
+@RATIO_TRANSFORMS.register("guard")
+def guard(log_prob, old_log_prob, rollout, out):
+    """GRPO-Guard RatioNorm (arXiv 2510.22319; ALGORITHMS.md 5) for flow policies. For a Gaussian step with
+    std s and mean shift dmu, log r = reduce_d[eps*dmu/s - dmu^2/(2 s^2)] sits below 0 by b = reduce_d(dmu^2)/(2 s^2),
+    most at low-noise steps, so clipping stops constraining positive-advantage updates. Per sample and step:
+    log r' = (log r + b) * s (= reduce_d(eps * dmu), mean zero). b comes from the policy ("ratio_bias", computed
+    per sample; the reference code reduces it over the batch) and s is the step's std."""
+    if "ratio_bias" not in out.stats:
+        raise ValueError("algo.ratio=guard needs a flow policy (its log_prob reports the ratio bias); "
+                         "use algo.ratio=none or gspo for token policies")
+    std = out.stats["std"].to(log_prob.dtype)
+    return old_log_prob + (log_prob - old_log_prob + out.stats["ratio_bias"]) * std

@@ -15,3 +15,25 @@ WEIGHTINGS = Registry("action weighting")
 @WEIGHTINGS.register("none")
 def none(rollout, out):
     return torch.ones_like(out.log_prob)
+
+
+def _dt(rollout):
+    return (rollout.extras["sigma"] - rollout.extras["sigma_next"]).float()  # -dt > 0, [n, A]
+
+
+@WEIGHTINGS.register("guard_dt")
+def guard_dt(rollout, out):
+    """GRPO-Guard gradient reweighting: step t's loss times 1 / (-dt_t) (Flow-GRPO form), which evens out the
+    contributions of noise levels (ALGORITHMS.md 5). Flow policies."""
+    return (1.0 / _dt(rollout)).to(out.log_prob.device)
+
+
+@WEIGHTINGS.register("tempflow")
+def tempflow(rollout, out):
+    """TempFlow-GRPO noise-aware weights (arXiv 2508.04324; ALGORITHMS.md 4): w_t = std_t / mean_t'(std_t') with
+    std_t = s_t * sqrt(-dt_t), the mean over each sample's trained steps. The per-step gradient scale goes as
+    1 / std_t, so unweighted GRPO is dominated by late low-noise steps. Flow policies."""
+    std = out.stats["std"].float()                                                       # [n, A]
+    m = rollout.action_mask.float().to(std.device)
+    mean = (std * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+    return std / mean.clamp(min=1e-12)

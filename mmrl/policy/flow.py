@@ -119,7 +119,12 @@ class FlowPolicy:
         mean, _ = step_mean_std(self.cfg.kind, x, v, sigma, sigma_next, self.cfg.noise_level, float(self.sigmas[1]))
         std = flat(e["std"])
         lp = gaussian_log_prob(flat(e["next_latents"]), mean, std, self.cfg.logprob_reduce)
-        return PolicyOutput(lp.view(n, a), {"mean": mean.view(n, a, *mean.shape[1:]), "std": e["std"]})
+        # GRPO-Guard's ratio bias b = reduce_d(dmu^2) / (2 std^2), per sample and step, dmu = mean - rollout mean
+        sq = (mean - flat(e["old_mean"])).pow(2).flatten(1)
+        sq = sq.mean(1) if self.cfg.logprob_reduce == "mean" else sq.sum(1)
+        bias = sq / (2 * std.clamp(min=1e-12) ** 2)
+        return PolicyOutput(lp.view(n, a), {"mean": mean.view(n, a, *mean.shape[1:]), "std": e["std"],
+                                            "ratio_bias": bias.view(n, a)})
 
     @contextlib.contextmanager
     def reference(self):
