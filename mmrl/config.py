@@ -100,7 +100,7 @@ class AlgoConfig:
     loss_agg: str = "seq_mean_token_mean"  # LOSS_AGG key
     kl: str = "flow_mean"         # KL_ESTIMATORS key (used when kl_coef > 0)
     kl_coef: float = 0.0          # beta; Flow-GRPO GenEval: 0.004 .. 0.04; GRPO-Guard: 0
-    weighting: str = "none"       # WEIGHTINGS key
+    weighting: str = "none"       # WEIGHTINGS key, or keys joined by "+" whose weights multiply (tempflow+guard_dt)
     ratio: str = "none"           # RATIO_TRANSFORMS key: none | gspo (sequence-level ratio)
     reward_shaping: str = "none"  # REWARD_SHAPINGS key applied before advantages: none | tempsamp
     shaping_tau: float = 0.8      # TempSamp-R1 soft shaping
@@ -165,7 +165,8 @@ class Config:
         POLICY_LOSSES.check(self.algo.policy_loss, "algo.policy_loss")
         LOSS_AGG.check(self.algo.loss_agg, "algo.loss_agg")
         KL_ESTIMATORS.check(self.algo.kl, "algo.kl")
-        WEIGHTINGS.check(self.algo.weighting, "algo.weighting")
+        for name in self.algo.weighting.split("+"):
+            WEIGHTINGS.check(name, "algo.weighting")
         RATIO_TRANSFORMS.check(self.algo.ratio, "algo.ratio")
         REWARD_SHAPINGS.check(self.algo.reward_shaping, "algo.reward_shaping")
         OFFPOLICY.check(self.algo.offpolicy, "algo.offpolicy")

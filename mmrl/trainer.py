@@ -182,7 +182,8 @@ class Trainer:
                     kl = KL_ESTIMATORS[a.kl](out, ref)
                     loss_a = loss_a + a.kl_coef * kl
                     s["kl"] = kl.detach()
-                loss_a = loss_a * WEIGHTINGS[a.weighting](mb, out)
+                for name in a.weighting.split("+"):
+                    loss_a = loss_a * WEIGHTINGS[name](mb, out)
                 loss = LOSS_AGG[a.loss_agg](loss_a, mb.action_mask, n_step, a_step)
                 loss.backward()
                 mask = mb.action_mask

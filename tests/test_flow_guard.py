@@ -17,9 +17,9 @@ def _rollout(n, a, **extras):
 
 def test_weights_by_hand():
     ro = _rollout(1, 2, sigma=torch.tensor([[1.0, 0.8]]), sigma_next=torch.tensor([[0.8, 0.5]]))
-    out = PolicyOutput(torch.zeros(1, 2), {"std": torch.tensor([[0.1, 0.3]])})
+    out = PolicyOutput(torch.zeros(1, 2), {"std": torch.tensor([[0.1, 0.3]]), "schedule_std_mean": torch.tensor(0.2)})
     assert WEIGHTINGS["guard_dt"](ro, out)[0].tolist() == pytest.approx([1 / 0.2, 1 / 0.3])
-    assert WEIGHTINGS["tempflow"](ro, out)[0].tolist() == pytest.approx([0.5, 1.5])  # std / mean(0.1, 0.3)
+    assert WEIGHTINGS["tempflow"](ro, out)[0].tolist() == pytest.approx([0.5, 1.5])  # std / the schedule's mean std
 
 
 def test_ratio_norm_by_hand():
@@ -46,3 +46,15 @@ def test_ratio_norm_centers_the_perturbed_log_ratio(tiny_pixel_model):
     raw_mean = raw.mean(0)
     assert (raw_mean < 0).all() and (raw_mean.max() - raw_mean.min()) > 0.5 * raw_mean.abs().min()
     assert (norm.mean(0).abs() < 0.1 * norm.std(0)).all(), (norm.mean(0), norm.std(0))
+
+
+def test_schedule_std_mean_by_hand(tiny_pixel_model):
+    """Flow-GRPO std per step s_t sqrt(-dt_t), s_t = a sqrt(sigma / (1 - sigma)) (sigma_1 at the sigma = 1 pole),
+    averaged over the trainable steps (all but the last)."""
+    import math
+
+    pol = make_policy(tiny_pixel_model, **{"sampler.num_steps": 4, "sampler.shift": 1.0, "sampler.noise_level": 0.7})
+    sig = [float(x) for x in pol.sigmas]                     # 1, 0.667, 0.334, 0.001, 0
+    s = [0.7 * math.sqrt(sig[i] / (1 - (sig[1] if sig[i] == 1 else sig[i]))) for i in range(3)]
+    want = sum(s[i] * math.sqrt(sig[i] - sig[i + 1]) for i in range(3)) / 3
+    assert pol.schedule_std_mean == pytest.approx(want, rel=1e-5)

@@ -37,7 +37,8 @@ def cfg_for(path, tmp_path, *items):
     ["algo.advantage=dr_grpo", "algo.loss_agg=token_mean", "sampler.kind=cps", "sampler.noise_level=0.5"],
     ["train.grad_accum=2", "train.inner_epochs=2", "train.ema_decay=0.5", "sampler.sde_window_size=2"],
     ["algo.ratio=guard", "algo.weighting=guard_dt", "algo.clip_range=2e-6", "train.inner_epochs=2"],  # GRPO-Guard
-    ["algo.ratio=guard", "algo.weighting=tempflow", "sampler.sde_window_size=2"],  # Guard + TempFlow weights
+    ["algo.ratio=guard", "algo.weighting=tempflow+guard_dt", "sampler.sde_window_size=1",
+     "sampler.shared_noise=true"],  # TempFlow branch point (shared noise, one SDE step) + weights + Guard
 ])
 def test_option_combinations_run(tiny_pixel_model, tmp_path, items):
     tr = Trainer(cfg_for(tiny_pixel_model, tmp_path, "train.iterations=1", "log.eval_at_start=false", *items))
@@ -75,3 +76,14 @@ def test_minibatch_split_gives_the_full_batch_gradient(tiny_pixel_model, tmp_pat
         grads.append(captured[0])
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config", ["configs/t2i/shapes_grpo.yaml", "configs/t2i/shapes_tempflow_guard.yaml"])
+def test_shapes_configs_smoke(config, tiny_pixel_model, tmp_path):
+    """Every shapes config (including the TempFlow + Guard composition) runs 2 iterations as written, on a
+    tiny model with small batches."""
+    cfg = load_config(config, [f"model.path={tiny_pixel_model}", f"log.out_dir={tmp_path}", "log.tensorboard=false",
+                               "log.progress=false", "train.iterations=2", "train.time_budget_min=0",
+                               "train.prompts_per_iter=2", "train.group_size=3", "task.eval_prompts=6"])
+    res = Trainer(cfg).fit()
+    assert res["iterations"] == 2 and 0.0 <= res["eval_end"]["overall"] <= 1.0

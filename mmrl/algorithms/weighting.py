@@ -31,9 +31,8 @@ def guard_dt(rollout, out):
 @WEIGHTINGS.register("tempflow")
 def tempflow(rollout, out):
     """TempFlow-GRPO noise-aware weights (arXiv 2508.04324; ALGORITHMS.md 4): w_t = std_t / mean_t'(std_t') with
-    std_t = s_t * sqrt(-dt_t), the mean over each sample's trained steps. The per-step gradient scale goes as
-    1 / std_t, so unweighted GRPO is dominated by late low-noise steps. Flow policies."""
+    std_t = s_t * sqrt(-dt_t) and the mean over the schedule's trainable steps (from the flow policy, so a
+    one-step window or a branch point is weighted too). The per-step gradient scale goes as 1 / std_t, so
+    unweighted GRPO is dominated by late low-noise steps. Flow policies."""
     std = out.stats["std"].float()                                                       # [n, A]
-    m = rollout.action_mask.float().to(std.device)
-    mean = (std * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
-    return std / mean.clamp(min=1e-12)
+    return std / out.stats["schedule_std_mean"].to(std.device).clamp(min=1e-12)

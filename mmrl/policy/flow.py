@@ -49,6 +49,12 @@ class FlowPolicy:
             self._ref_copy = copy.deepcopy(self.transformer).requires_grad_(False).eval()
         self.has_reference = reference == "auto"
         self.sigmas = sigma_schedule(sampler_cfg.num_steps, sampler_cfg.shift)  # [S + 1]
+        # mean SDE std over the trainable steps 0 .. S-2 of the schedule (TempFlow-GRPO's weight normalizer)
+        sig = self.sigmas[:-2]
+        zeros = torch.zeros(len(sig), 1)
+        _, stds = step_mean_std(sampler_cfg.kind, zeros, zeros, sig, self.sigmas[1:-1], sampler_cfg.noise_level,
+                                float(self.sigmas[1]))
+        self.schedule_std_mean = float(stds.mean())
         self._neg = None
 
     # ----------------------------------------------------------------------------------------------- sampling
@@ -124,7 +130,8 @@ class FlowPolicy:
         sq = sq.mean(1) if self.cfg.logprob_reduce == "mean" else sq.sum(1)
         bias = sq / (2 * std.clamp(min=1e-12) ** 2)
         return PolicyOutput(lp.view(n, a), {"mean": mean.view(n, a, *mean.shape[1:]), "std": e["std"],
-                                            "ratio_bias": bias.view(n, a)})
+                                            "ratio_bias": bias.view(n, a),
+                                            "schedule_std_mean": torch.tensor(self.schedule_std_mean)})
 
     @contextlib.contextmanager
     def reference(self):
