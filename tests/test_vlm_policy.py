@@ -28,6 +28,36 @@ def policy_for(path, lora=False, temperature=1.0, **kw):
                        LoraConfig(enabled=lora, rank=4, alpha=8), VIDEO, **kw)
 
 
+def tiny_lm(path) -> str:
+    """Save a tiny random-init causal LM (Qwen2ForCausalLM) with its tokenizer at path."""
+    from mmrl.models.qwen_vl import build_causal_lm, build_tokenizer
+
+    tok = build_tokenizer(["what is two plus two? four"])
+    build_causal_lm(tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+LM_PROMPTS = [{"prompt": "what is two plus two?"}, {"prompt": "a much longer prompt than the first one is"}]
+
+
+def policy_and_examples(kind, media, tmp_path, world, **kw):
+    """A tiny policy of `kind` (a Qwen-VL version or "causal_lm") and prompts of different lengths with `media`
+    (video, image or text)."""
+    import numpy as np
+    from PIL import Image
+
+    if kind == "causal_lm":
+        return policy_for(tiny_lm(tmp_path / "lm"), **kw), LM_PROMPTS
+    pol = policy_for(build_tiny_vl(str(tmp_path / kind), kind), **kw)
+    _, exs = examples(world, n=3)
+    if media == "image":
+        rng = np.random.default_rng(0)
+        exs = [{"prompt": ex["prompt"], "image": Image.fromarray(rng.integers(0, 255, (56, 56, 3), dtype=np.uint8))}
+               for ex in exs]
+    return pol, exs
+
+
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_contract_vlm(kind, tmp_path, tiny_world):
     pol = policy_for(build_tiny_vl(str(tmp_path / kind), kind))
@@ -48,15 +78,8 @@ def test_contract_vlm(kind, tmp_path, tiny_world):
 
 
 def test_contract_causal_lm(tmp_path):
-    from mmrl.models.qwen_vl import build_causal_lm, build_tokenizer
-    from mmrl.data import Rollout  # noqa: F401
-
-    tok = build_tokenizer(["what is two plus two? four"])
-    build_causal_lm(tok).save_pretrained(tmp_path / "lm")
-    tok.save_pretrained(tmp_path / "lm")
-    pol = policy_for(str(tmp_path / "lm"))
+    pol, exs = policy_for(tiny_lm(tmp_path / "lm")), LM_PROMPTS
     assert not pol.is_vlm
-    exs = [{"prompt": "what is two plus two?"}, {"prompt": "a much longer prompt than the first one is"}]
     ro = pol.sample(exs, 2, torch.Generator().manual_seed(1))
     with torch.no_grad():
         lp = pol.log_prob(ro, torch.tensor([3, 0])).log_prob
@@ -169,24 +192,7 @@ def test_shared_prefix_forward_equals_naive(kind, media, tmp_path, tiny_world):
     """Each prompt runs once and its KV cache is indexed out to its rows: log-probs and gradients equal the
     naive [prompt | completion] forward, with left padding (prompts of different lengths), partial groups
     and any row order."""
-    import numpy as np
-    from PIL import Image
-
-    if kind == "causal_lm":
-        from mmrl.models.qwen_vl import build_causal_lm, build_tokenizer
-
-        tok = build_tokenizer(["what is two plus two? four"])
-        build_causal_lm(tok).save_pretrained(tmp_path / "lm")
-        tok.save_pretrained(tmp_path / "lm")
-        pol = policy_for(str(tmp_path / "lm"))
-        exs = [{"prompt": "what is two plus two?"}, {"prompt": "a much longer prompt than the first one is"}]
-    else:
-        pol = policy_for(build_tiny_vl(str(tmp_path / kind), kind), freeze_vision=False)
-        _, exs = examples(tiny_world, n=3)
-        if media == "image":
-            rng = np.random.default_rng(0)
-            exs = [{"prompt": ex["prompt"], "image": Image.fromarray(rng.integers(0, 255, (56, 56, 3), dtype=np.uint8))}
-                   for ex in exs]
+    pol, exs = policy_and_examples(kind, media, tmp_path, tiny_world, freeze_vision=False)
     ro = pol.sample(exs, 3, torch.Generator().manual_seed(0))
     assert len({p["input_ids"].shape[1] for p in map(pol.encode_prompt, exs)}) > 1  # left padding is exercised
     for idx in (torch.arange(len(ro)), torch.tensor([5, 0, 4, 1])):
@@ -205,26 +211,9 @@ def test_shared_prefix_forward_equals_naive(kind, media, tmp_path, tiny_world):
 def test_prefix_cache_engine_matches_hf_generate(kind, media, tmp_path, tiny_world):
     """The prefix-cache engine decodes what HF generate decodes (greedy: token for token, with left padding),
     and its samples are deterministic under a seed."""
-    import numpy as np
-    from PIL import Image
-
     from mmrl.rollout.engine import HFEngine, SamplingParams
 
-    if kind == "causal_lm":
-        from mmrl.models.qwen_vl import build_causal_lm, build_tokenizer
-
-        tok = build_tokenizer(["what is two plus two? four"])
-        build_causal_lm(tok).save_pretrained(tmp_path / "lm")
-        tok.save_pretrained(tmp_path / "lm")
-        pol = policy_for(str(tmp_path / "lm"))
-        exs = [{"prompt": "what is two plus two?"}, {"prompt": "a much longer prompt than the first one is"}]
-    else:
-        pol = policy_for(build_tiny_vl(str(tmp_path / kind), kind))
-        _, exs = examples(tiny_world, n=3)
-        if media == "image":
-            rng = np.random.default_rng(0)
-            exs = [{"prompt": ex["prompt"], "image": Image.fromarray(rng.integers(0, 255, (56, 56, 3), dtype=np.uint8))}
-                   for ex in exs]
+    pol, exs = policy_and_examples(kind, media, tmp_path, tiny_world)
     batch = pol._collate([pol.encode_prompt(ex) for ex in exs])
     hf = HFEngine(pol.model, pol.eos_id, pol.pad_id, pol.suppress_ids)
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0, group_size=1)

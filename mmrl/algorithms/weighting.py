@@ -17,15 +17,12 @@ def none(rollout, out):
     return torch.ones_like(out.log_prob)
 
 
-def _dt(rollout):
-    return (rollout.extras["sigma"] - rollout.extras["sigma_next"]).float()  # -dt > 0, [n, A]
-
-
 @WEIGHTINGS.register("guard_dt")
 def guard_dt(rollout, out):
     """GRPO-Guard gradient reweighting: step t's loss times 1 / (-dt_t) (Flow-GRPO form), which evens out the
     contributions of noise levels (ALGORITHMS.md 5). Flow policies."""
-    return (1.0 / _dt(rollout)).to(out.log_prob.device)
+    minus_dt = (rollout.extras["sigma"] - rollout.extras["sigma_next"]).float()        # [n, A], > 0
+    return (1.0 / minus_dt).to(out.log_prob.device)
 
 
 @WEIGHTINGS.register("tempflow")

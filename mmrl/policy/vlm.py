@@ -9,10 +9,10 @@ every log-prob pass, so recomputed log-probs see exactly the sampled inputs.
 Sequence layout for scoring: [left-padded prompt | completion (right-padded after EOS)], the layout HF
 generation produces. With shared_prefix (default) each distinct prompt runs once per scoring pass and its KV
 cache is indexed out to the G completions of its group: the same logits and gradients as the naive forward,
-without paying G times for a long video prompt. Causal LMs get position ids counted over real tokens (as `generate` does); Qwen-VL
-models compute their M-RoPE positions from the attention mask themselves. Log-probs are taken at the
-sampling temperature (logits / T) with a selective log-softmax that never materializes a second [n, C, V]
-tensor.
+without paying G times for a long video prompt. Causal LMs get position ids counted over real tokens (as
+`generate` does); Qwen-VL models get their M-RoPE positions from the model's own get_rope_index. Log-probs are
+taken at the sampling temperature (logits / T) with a selective log-softmax that never materializes a second
+[n, C, V] tensor.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class TokenPolicy:
         specials = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
         vocab = self.tokenizer.get_vocab()
         self.suppress_ids = sorted({vocab[t] for t in specials if t in vocab} | ({self.pad_id} - {self.eos_id}))
-        engine = getattr(sampler_cfg, "engine", "prefix_cache")
+        engine = sampler_cfg.engine
         if engine == "prefix_cache":
             self.engine = PrefixCacheEngine(self.model, self.prefill, self.eos_id, self.pad_id, self.suppress_ids)
         elif engine == "hf":
@@ -214,8 +214,9 @@ class TokenPolicy:
     def log_prob(self, rollout: Rollout, index: torch.Tensor) -> PolicyOutput:
         ids = rollout.extras["completion_ids"][index]                                       # [n, C]
         prompts = [self.encode_prompt(rollout.examples[i]) for i in index.tolist()]
-        if self.shared_prefix and len({id(p) for p in prompts}) < len(prompts):  # some prompt has several rows
-            logits = self._shared_prefix_logits(prompts, ids)
+        distinct = list({id(p): p for p in prompts}.values())                              # U prompts
+        if self.shared_prefix and len(distinct) < len(prompts):  # some prompt has several rows
+            logits = self._shared_prefix_logits(prompts, distinct, ids)
         else:
             c = ids.shape[1]
             logits = self.model(**self._collate(prompts, ids), use_cache=False, logits_to_keep=c + 1).logits[:, :c]
@@ -227,12 +228,11 @@ class TokenPolicy:
         real = completion_mask(ids, self.eos_id).to(self.device)  # padding after EOS: 0, never -inf
         return PolicyOutput(logp.masked_fill(~real, 0.0), {"entropy": ent.masked_fill(~real, 0.0)})
 
-    def _shared_prefix_logits(self, prompts: list[dict], ids: torch.Tensor) -> torch.Tensor:
+    def _shared_prefix_logits(self, prompts: list[dict], distinct: list[dict], ids: torch.Tensor) -> torch.Tensor:
         """Logits [n, C, V] of completions ids [n, C] (row r under prompts[r]) with each distinct prompt (and its
         media) run once: its KV cache is indexed out to its rows, then only completion tokens are run. Equals
         the naive [prompt | completion] forward (same positions and mask; tests/test_vlm_policy.py); gradients
         flow into the prompt pass through the cache."""
-        distinct = list({id(p): p for p in prompts}.values())                              # U prompts
         order = {id(p): u for u, p in enumerate(distinct)}
         rows = torch.tensor([order[id(p)] for p in prompts], device=self.device)           # [n] -> its prompt
         first, cache, start, mask = self.prefill(self._collate(distinct), rows)
