@@ -59,6 +59,24 @@ class SamplerConfig:
 
 
 @dataclass
+class TreeConfig:
+    """BranchGRPO tree rollouts for flow policies (mmrl/rollout/tree.py; ALGORITHMS.md 3); off while split_steps
+    is empty. With sampler.sde_window_size > 0 it is BranchGRPO-Mix: SDE on that window (drawn as for the
+    chain) and on the split steps, ODE elsewhere, only SDE edges trained."""
+    split_steps: list[int] = field(default_factory=list)  # every path branches here, e.g. [0, 3, 6, 9] of 20 steps
+    branch: int = 2               # children per split; train.group_size must be branch ** len(split_steps)
+    split_noise_scale: float = 1.0  # split-step noise std x this (reference: 4.0); the log-prob uses that std
+    fusion: str = "mean"          # node reward: mean of its leaves | softmax (children by softmax(alpha * logp(edge)))
+    fusion_alpha: float = 1.0
+    prune_steps: list[int] = field(default_factory=list)  # depth pruning: these steps' transitions are not trained
+    prune_slide_every: int = 0    # > 0: the pruned steps move one step earlier every this many iterations,
+                                  # never to or before the last split (the reference's sliding window)
+    width_prune: int = 0          # after the last split: 0 off | 1 each leaf trains its first width_ratio of steps |
+                                  # 2 only the best and worst width_ratio of the batch's leaves train them
+    width_ratio: float = 0.5
+
+
+@dataclass
 class VideoConfig:
     """Video input of token policies (qwen-vl-utils; mmrl/video.py)."""
     backend: str = "decord"       # decord | torchcodec
@@ -149,6 +167,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     video: VideoConfig = field(default_factory=VideoConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
 
     def validate(self) -> "Config":
         """Check values and registry keys; raise ValueError naming the key and the fix."""
@@ -200,9 +219,32 @@ class Config:
         if s.sde_window_size < 0 or s.sde_window_size > s.num_steps - 1:
             raise ValueError(f"sampler.sde_window_size must be in [0, num_steps - 1 = {s.num_steps - 1}], "
                              f"got {s.sde_window_size}")
+        self._validate_tree()
         if self.task.name == "prompt_file" and not self.task.prompt_file:
             raise ValueError("task.name=prompt_file needs task.prompt_file=PATH (a text file, one prompt per line)")
         return self
+
+
+    def _validate_tree(self) -> None:
+        tr = self.tree
+        _choice("tree.fusion", tr.fusion, ("mean", "softmax"))
+        _choice("tree.width_prune", tr.width_prune, (0, 1, 2))
+        if not tr.split_steps:
+            return
+        from mmrl.rollout.tree import split_schedule
+
+        split_schedule(self.sampler.num_steps, tr.split_steps)
+        if self.model.policy != "flow":
+            raise ValueError("tree.split_steps (BranchGRPO) needs model.policy=flow")
+        leaves = tr.branch ** len(tr.split_steps)
+        if tr.branch < 2 or self.train.group_size != leaves:
+            raise ValueError(f"tree rollouts give branch ** len(split_steps) = {leaves} leaves per prompt: set "
+                             f"train.group_size={leaves} (got {self.train.group_size}), branch >= 2")
+        if self.algo.loss_agg != "token_mean":
+            raise ValueError("tree rollouts train each transition once, owned by one leaf: set algo.loss_agg=token_mean "
+                             "(the mean over transitions, as BranchGRPO)")
+        if not 0 < tr.width_ratio <= 1:
+            raise ValueError(f"tree.width_ratio must be in (0, 1], got {tr.width_ratio}")
 
 
 def _choice(key: str, value: Any, valid: tuple) -> None:

@@ -31,6 +31,7 @@ from mmrl.evaluation import evaluate_outputs
 from mmrl.metrics import Logger, Timer
 from mmrl.policy import POLICIES
 from mmrl.reward import REWARDS, RewardRunner
+from mmrl.rollout.tree import tree_advantages
 from mmrl.task import build_task
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ class Trainer:
         shaped = REWARD_SHAPINGS[a.reward_shaping](rewards["overall"], a)
         adv_fn = lambda r, g, v: ADVANTAGES[a.advantage](r, g, v, a)[0]  # noqa: E731
         adv, adv_stats = ADVANTAGES[a.advantage](shaped, rollout.group_id, valid, a)
+        if "tree_node" in rollout.extras:  # BranchGRPO: per-transition advantages [N, A] and the trained mask
+            adv, tree_stats = tree_advantages(shaped, rollout, valid, cfg, ADVANTAGES[a.advantage], it)
+            adv_stats.update(tree_stats)
         metrics["rollout/actions_mean"] = rollout.action_mask.sum(-1).float().mean().item()  # tokens: completion length
         rollout.action_mask &= valid.unsqueeze(-1)
         metrics.update({f"reward/{k}_mean": v[valid].mean().item() if valid.any() else 0.0 for k, v in rewards.items()})

@@ -1,7 +1,7 @@
 """Flow-matching generator policy (diffusers SD3Transformer2DModel; pixel or VAE-latent space).
 
-Actions are denoising steps. `sample` runs the chain with the configured SDE sampler on a window of steps
-(ODE elsewhere) and stores, for each SDE step, x_t, x_{t+1}, sigma_t, sigma_{t+1}, the rollout-time mean and
+Actions are denoising steps. `sample` runs G chains per prompt with the configured SDE sampler on a window of
+steps (ODE elsewhere), or one BranchGRPO tree per prompt (tree.split_steps; mmrl/rollout/tree.py), and stores, for each SDE step, x_t, x_{t+1}, sigma_t, sigma_{t+1}, the rollout-time mean and
 std; `log_prob` recomputes the Gaussian log-density of the stored x_{t+1} under the current weights with the
 same CFG scale, the same std and the same reduction, batching all n * A steps in one forward.
 The last (lowest-sigma) step is never trained (its likelihood overflows; ALGORITHMS.md 1).
@@ -19,6 +19,7 @@ import torch
 from mmrl.data import PolicyOutput, Rollout, group_ids
 from mmrl.policy.base import load_lora_adapter, save_lora_adapter, write_policy_meta
 from mmrl.policy.flow_model import FlowModel, load_flow_model, sigma_schedule
+from mmrl.rollout.tree import run_tree, trained_steps
 from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std
 
 # Flow-GRPO's SD3 LoRA targets: the joint attention projections of every MMDiT block.
@@ -29,8 +30,11 @@ WEIGHTS_FILE = "trainable.safetensors"
 
 class FlowPolicy:
     def __init__(self, model: FlowModel, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = "",
-                 progress: bool = False):
+                 progress: bool = False, tree_cfg=None):
+        from mmrl.config import TreeConfig
+
         self.model, self.cfg, self.model_path, self.progress = model, sampler_cfg, model_path, progress
+        self.tree = tree_cfg or TreeConfig()
         self.transformer = model.transformer
         self.device = next(self.transformer.parameters()).device
         self.lora = bool(lora_cfg.enabled)
@@ -80,23 +84,15 @@ class FlowPolicy:
 
     @torch.no_grad()
     def sample(self, examples: list[dict], group_size: int, generator: torch.Generator) -> Rollout:
-        texts = [ex["prompt"] for ex in examples for _ in range(group_size)]
-        n = len(texts)
-        enc, pooled = self.model.encode_prompts(texts)              # [N, L, D], [N, P]
-        seeds = torch.randint(0, 2**31 - 1, (n,), generator=generator)
-        if self.cfg.shared_noise:  # one initial noise per group: rows b*G .. b*G+G-1 share seed b*G
-            seeds = seeds.view(len(examples), group_size)[:, :1].expand(-1, group_size).reshape(-1)
-        seeds = seeds.tolist()
-        x = self.model.initial_noise(seeds, self.device)             # [N, C, H, W]
-        window = self._window(generator)
-        kinds = ["ode"] * self.cfg.num_steps
-        for i in window:
-            kinds[i] = self.cfg.kind
-        traj = run_chain(self._velocity_fn(enc, pooled), x, self.sigmas, kinds, self.cfg.noise_level,
-                         generator=torch.Generator(self.device).manual_seed(seeds[0]), reduce=self.cfg.logprob_reduce,
-                         progress=self.progress)
-        w = torch.tensor(window)
-        a = len(window)
+        """Chain rollouts (G independent chains per prompt), or BranchGRPO trees when tree.split_steps is set."""
+        texts = [ex["prompt"] for ex in examples]
+        if self.tree.split_steps:
+            traj, steps, extra = self._sample_tree(texts, generator)
+        else:
+            traj, steps, extra = self._sample_chain(texts, group_size, generator)
+        n, w = len(texts) * group_size, torch.tensor(steps)
+        a = len(steps)
+        enc, pooled = extra.pop("enc"), extra.pop("pooled")
         extras = {
             "latents": traj.latents[:, w],                           # [N, A, C, H, W] x_t
             "next_latents": traj.latents[:, w + 1],                  # [N, A, C, H, W] x_{t+1}
@@ -106,32 +102,81 @@ class FlowPolicy:
             "sigma_next": self.sigmas[w + 1].expand(n, a).clone(),   # [N, A]
             "step_index": w.expand(n, a).clone(),                    # [N, A]
             "enc": enc, "pooled": pooled,                            # [N, L, D], [N, P]
+            **{k: v[:, w] if v.dim() == 2 else v for k, v in extra.items()},
         }
         images = self.model.decode(traj.latents[:, -1])
-        return Rollout(group_id=group_ids(len(examples), group_size), old_log_prob=traj.log_prob[:, w],
+        return Rollout(group_id=group_ids(len(texts), group_size), old_log_prob=traj.log_prob[:, w],
                        action_mask=torch.ones(n, a, dtype=torch.bool),
                        examples=[ex for ex in examples for _ in range(group_size)], outputs=images, extras=extras)
 
+    def _seeds(self, n: int, generator: torch.Generator) -> list[int]:
+        return torch.randint(0, 2**31 - 1, (n,), generator=generator).tolist()
+
+    def _sample_chain(self, texts, group_size, generator):
+        texts = [t for t in texts for _ in range(group_size)]
+        enc, pooled = self.model.encode_prompts(texts)              # [N, L, D], [N, P]
+        seeds = self._seeds(len(texts), generator)
+        if self.cfg.shared_noise:  # one initial noise per group: rows b*G .. b*G+G-1 share seed b*G
+            seeds = [seeds[i - i % group_size] for i in range(len(seeds))]
+        x = self.model.initial_noise(seeds, self.device)             # [N, C, H, W]
+        window = self._window(generator)
+        kinds = ["ode"] * self.cfg.num_steps
+        for i in window:
+            kinds[i] = self.cfg.kind
+        traj = run_chain(self._velocity_fn(enc, pooled), x, self.sigmas, kinds, self.cfg.noise_level,
+                         generator=torch.Generator(self.device).manual_seed(seeds[0]), reduce=self.cfg.logprob_reduce,
+                         progress=self.progress)
+        return traj, window, {"enc": enc, "pooled": pooled}
+
+    def _sample_tree(self, texts, generator):
+        t = self.tree
+        enc, pooled = self.model.encode_prompts(texts)              # [B, L, D], [B, P]
+        seeds = self._seeds(len(texts), generator)
+        x = self.model.initial_noise(seeds, self.device)             # [B, C, H, W] one root noise per tree
+        last = self.cfg.num_steps - 1
+        sde = self._window(generator) if self.cfg.sde_window_size else range(last)  # Mix: window + splits
+        kinds = ["ode"] * self.cfg.num_steps
+        for i in set(sde) | set(t.split_steps):
+            kinds[i] = self.cfg.kind
+        cfg = self.cfg.cfg_scale
+
+        def velocity(x, s, tree):  # x [M, C, H, W], s [M], tree [M]: the prompt of each alive path
+            return self.model.velocity(x, s, enc[tree], pooled[tree], cfg, self._negative(len(tree)) if cfg != 1.0 else None)
+
+        tr = run_tree(velocity, x, self.sigmas, kinds, t.split_steps, t.branch, self.cfg.noise_level,
+                      generator=torch.Generator(self.device).manual_seed(seeds[0]), reduce=self.cfg.logprob_reduce,
+                      split_noise_scale=t.split_noise_scale, progress=self.progress)
+        g = t.branch ** len(t.split_steps)
+        n = len(texts) * g
+        return tr, trained_steps(kinds, t.split_steps), {
+            "enc": enc.repeat_interleave(g, 0), "pooled": pooled.repeat_interleave(g, 0),
+            "tree_node": tr.node,                                    # [N, S] -> [N, A]
+            "tree_depth": tr.depth.expand(n, -1).clone()}            # [N, S] -> [N, A]
+
     # ------------------------------------------------------------------------------------------------ scoring
     def log_prob(self, rollout: Rollout, index: torch.Tensor) -> PolicyOutput:
+        """Only the actions in rollout.action_mask run the transformer (all n * A of them in one forward); the
+        others (pruned tree transitions, invalid samples) keep their old values, ratio 1, and no gradient."""
         e = {k: v[index].to(self.device) for k, v in rollout.extras.items()}
-        n, a = e["sigma"].shape
-        flat = lambda t: t.flatten(0, 1)                              # [n, A, ...] -> [n * A, ...]
-        rep = lambda t: t.repeat_interleave(a, 0)                     # [n, ...] -> [n * A, ...]
-        enc, pooled = rep(e["enc"]), rep(e["pooled"])
-        sigma, sigma_next = flat(e["sigma"]), flat(e["sigma_next"])
-        x = flat(e["latents"])
-        v = self._velocity_fn(enc, pooled)(x, sigma)
+        mask = rollout.action_mask[index].clone()
+        if not mask.any():
+            mask[0, 0] = True  # keep a graph so backward works; the trainer's mask zeroes this action's loss
+        rows, cols = mask.nonzero(as_tuple=True)                      # k trained actions
+        pick = lambda t: t[rows, cols]                                # [n, A, ...] -> [k, ...]
+        sigma, sigma_next, std = pick(e["sigma"]), pick(e["sigma_next"]), pick(e["std"])
+        x = pick(e["latents"])
+        v = self._velocity_fn(e["enc"][rows], e["pooled"][rows])(x, sigma)
         mean, _ = step_mean_std(self.cfg.kind, x, v, sigma, sigma_next, self.cfg.noise_level, float(self.sigmas[1]))
-        std = flat(e["std"])
-        lp = gaussian_log_prob(flat(e["next_latents"]), mean, std, self.cfg.logprob_reduce)
+        lp = gaussian_log_prob(pick(e["next_latents"]), mean, std, self.cfg.logprob_reduce)
         # GRPO-Guard's ratio bias b = reduce_d(dmu^2) / (2 std^2), per sample and step, dmu = mean - rollout mean
-        sq = (mean - flat(e["old_mean"])).pow(2).flatten(1)
+        sq = (mean - pick(e["old_mean"])).pow(2).flatten(1)
         sq = sq.mean(1) if self.cfg.logprob_reduce == "mean" else sq.sum(1)
         bias = sq / (2 * std.clamp(min=1e-12) ** 2)
-        return PolicyOutput(lp.view(n, a), {"mean": mean.view(n, a, *mean.shape[1:]), "std": e["std"],
-                                            "ratio_bias": bias.view(n, a),
-                                            "schedule_std_mean": torch.tensor(self.schedule_std_mean)})
+        old = rollout.old_log_prob[index].to(lp)
+        place = lambda base, val: base.index_put((rows, cols), val)   # [k, ...] into [n, A, ...], differentiable
+        return PolicyOutput(place(old, lp), {"mean": place(e["old_mean"], mean), "std": e["std"],
+                                             "ratio_bias": place(torch.zeros_like(old), bias),
+                                             "schedule_std_mean": torch.tensor(self.schedule_std_mean)})
 
     @contextlib.contextmanager
     def reference(self):
@@ -205,7 +250,7 @@ def build_flow_policy(cfg) -> FlowPolicy:
         raise ValueError(f"{path!r} is an mmrl policy checkpoint; use it with mmrl eval, or set model.path to a "
                          f"base model folder")
     model = load_flow_model(path, dtype, device, cfg.model.sample_size)
-    return FlowPolicy(model, cfg.sampler, cfg.model.lora, cfg.model.reference, path, cfg.log.progress)
+    return FlowPolicy(model, cfg.sampler, cfg.model.lora, cfg.model.reference, path, cfg.log.progress, cfg.tree)
 
 
 def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:

@@ -1,0 +1,227 @@
+"""BranchGRPO tree rollouts for flow policies (arXiv 2509.06040; ALGORITHMS.md section 3).
+
+Sampling (`run_tree`). Each prompt starts from ONE noise (the root). At every split step each alive path
+evaluates the transformer once and its `branch` children share that prediction, differing only in the injected
+noise; between splits a path has one child. After D splits a tree has L = branch ** D leaves, the group.
+Nodes are the segments between splits: the node of a leaf at step i is the path it is on after step i, so a
+node at depth d (d splits done) covers steps split_d .. split_{d+1} - 1.
+
+Training (`tree_advantages`). The rows of the rollout are the leaves (outputs, rewards); its actions are the
+trained steps, and each (leaf, step) is the transition of the node the leaf is on. A node's reward fuses its
+leaves (mean, or bottom-up softmax over the children's split-edge log-probs); node advantages are
+group-relative among the nodes of one tree at one depth (the configured estimator, e.g. grpo z-scores: the
+reference's depth-wise advantage). Every transition is trained once, by the first valid leaf below it (the
+other leaves' copies are masked), with its node's advantage. Pruning only removes transitions from training.
+
+Where the reference code differs (documented, not copied):
+- its split noise is multiplied by split_noise_scale while the log-prob keeps the unscaled std, an off-policy
+  term hidden in every split edge; here the stored std IS the scaled one, so the log-prob is the density the
+  child was drawn from and the on-policy ratio stays exactly 1;
+- it z-scores with the unbiased std; the estimator here uses the population std of ALGORITHMS.md 2 (a constant
+  factor sqrt((n - 1) / n) on the depth's advantages);
+- width pruning ranks transitions; their advantage is constant along a leaf, so mode 1 keeps the first
+  `width_ratio` of each leaf's post-split steps and mode 2 keeps whole leaves, the best and the worst.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from mmrl.sampling.flow_sde import _bcast, gaussian_log_prob, step_mean_std
+
+
+@dataclass
+class Tree:
+    """B trees, leaf-major: rows t * L .. t * L + L - 1 are the leaves of tree t. S steps, *D latent dims."""
+
+    latents: torch.Tensor    # [N, S + 1, *D]  x_0 .. x_S along each leaf's path (shared prefixes repeated)
+    mean: torch.Tensor       # [N, S, *D]      mean each transition was drawn around
+    std: torch.Tensor        # [N, S]          its std (scaled on split steps; 0 on ODE steps)
+    log_prob: torch.Tensor   # [N, S]          log-prob of each transition (0 on ODE steps)
+    node: torch.Tensor       # [N, S] long     global id of the node owning step i of the leaf's path
+    depth: torch.Tensor      # [S] long        splits done at or before step i (0 = root segment)
+    calls: int               # transformer rows evaluated (one per node and step, x2 with CFG inside velocity)
+
+
+def split_schedule(num_steps: int, splits: list[int]) -> list[bool]:
+    """[S] True at split steps; splits must be distinct and leave the last (untrained) step alone."""
+    bad = [s for s in splits if not 0 <= s < num_steps - 1]
+    if bad or len(set(splits)) != len(splits):
+        raise ValueError(f"tree.split_steps={splits}: need distinct steps in [0, num_steps - 2 = {num_steps - 2}]")
+    return [i in splits for i in range(num_steps)]
+
+
+@torch.no_grad()
+def run_tree(velocity, x: torch.Tensor, sigmas: torch.Tensor, kinds: list[str], splits: list[int], branch: int,
+             noise_level: float, generator: torch.Generator | None = None, reduce: str = "mean",
+             split_noise_scale: float = 1.0, progress: bool = False) -> Tree:
+    """Grow B trees from roots x [B, *D]. velocity(x [M, *D], sigma [M], tree [M] long) -> v [M, *D] evaluates
+    the M alive paths of step i in one call. kinds[i] is step i's sampler; split steps must not be "ode"."""
+    is_split = split_schedule(len(kinds), splits)
+    if any(kinds[i] == "ode" for i in splits):
+        raise ValueError("tree split steps must be SDE steps")
+    sigma_max = float(sigmas[1])
+    b = x.shape[0]
+    tree = torch.arange(b)                    # [M] tree of each alive path
+    node = torch.arange(b)                    # [M] global node id of each alive path
+    next_id, depth, calls = b, 0, 0
+    states, parents, outs = [x], [], []
+    for i, kind in enumerate(tqdm(kinds, desc="tree rollout", leave=False, disable=not progress)):
+        m = x.shape[0]
+        sig, sig_next = sigmas[i].expand(m).to(x.device), sigmas[i + 1].expand(m).to(x.device)
+        v = velocity(x, sig, tree)
+        calls += m
+        mean, std = step_mean_std(kind, x, v, sig, sig_next, noise_level, sigma_max)   # [M, *D], [M]
+        k = branch if is_split[i] else 1
+        parent = torch.arange(m).repeat_interleave(k)                                  # [M * k]
+        mean, std, tree = mean[parent], std[parent], tree[parent]
+        if is_split[i]:
+            std = std * split_noise_scale
+            node = torch.arange(next_id, next_id + m * k)
+            next_id, depth = next_id + m * k, depth + 1
+        else:
+            node = node[parent]
+        if kind == "ode" or bool((std == 0).all()):
+            nxt, lp = mean, torch.zeros(len(parent))
+        else:
+            noise = torch.randn(mean.shape, generator=generator,
+                                device="cpu" if generator is None else generator.device).to(mean)
+            nxt = mean + _bcast(std, mean) * noise
+            lp = gaussian_log_prob(nxt, mean, std, reduce)
+        x = nxt
+        states.append(x)
+        parents.append(parent)
+        outs.append((mean, std, lp, node.clone(), depth))
+    # index of each leaf's path after step i, walking back from the leaves
+    s, n = len(kinds), x.shape[0]
+    after = [None] * s
+    idx = torch.arange(n)
+    for i in range(s - 1, -1, -1):
+        after[i] = idx
+        idx = parents[i][idx]
+    lat = [states[0][idx]] + [states[i + 1][after[i]] for i in range(s)]
+    return Tree(latents=torch.stack(lat, 1),
+                mean=torch.stack([outs[i][0][after[i]] for i in range(s)], 1),
+                std=torch.stack([outs[i][1][after[i]] for i in range(s)], 1),
+                log_prob=torch.stack([outs[i][2][after[i]] for i in range(s)], 1),
+                node=torch.stack([outs[i][3][after[i]] for i in range(s)], 1),
+                depth=torch.tensor([outs[i][4] for i in range(s)]), calls=calls)
+
+
+def trained_steps(kinds: list[str], splits: list[int]) -> list[int]:
+    """The actions of a tree rollout: SDE steps from the first split on, never the last step (steps before the
+    first split belong to the root, the only node of its depth, whose advantage is always 0)."""
+    return [i for i in range(min(splits), len(kinds) - 1) if kinds[i] != "ode"]
+
+
+# ------------------------------------------------------------------------------------------------- training
+def _first_valid_owner(node: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[N, A] bool: for each column, the first valid row of every node id in it."""
+    n, a = node.shape
+    owner = torch.zeros(n, a, dtype=torch.bool)
+    rows = valid.nonzero().squeeze(-1)
+    for j in range(a):
+        ids = node[rows, j]
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        first = torch.full((len(uniq),), n, dtype=torch.long).scatter_reduce_(0, inv, rows, "amin")
+        owner[first, j] = True
+    return owner
+
+
+def tree_advantages(rewards: torch.Tensor, rollout, valid: torch.Tensor, cfg, estimator, iteration: int):
+    """Per-transition advantages [N, A] of a tree rollout and its trained-action mask (set on rollout).
+
+    rewards [N] leaf rewards; rollout.extras: tree_node [N, A], tree_depth [N, A], step_index [N, A];
+    cfg: the whole Config (cfg.tree: fusion, pruning; cfg.algo: the estimator's options); estimator: an
+    ADVANTAGES function applied to node rewards grouped by (tree, depth).
+    """
+    t = cfg.tree
+    node, depth, step = (rollout.extras[k].long() for k in ("tree_node", "tree_depth", "step_index"))
+    n, a = node.shape
+    gid = torch.unique(rollout.group_id, return_inverse=True)[1]                        # [N] dense tree ids
+    node = gid.unsqueeze(-1) * (int(node.max()) + 1) + node  # unique across trees of concatenated rollouts
+    d_max = int(depth.max())
+    # path[l, d] = the node leaf l is on at depth d (1 .. D); every depth >= 1 has an action (its split step)
+    path = torch.stack([node[:, (depth[0] == d).nonzero()[0, 0]] for d in range(1, d_max + 1)], 1)   # [N, D]
+    uniq, inv = torch.unique(path, return_inverse=True)                                 # node k = uniq[k]
+    k = len(uniq)
+    w = valid.double()
+    r = torch.where(valid, rewards.double(), torch.zeros_like(rewards, dtype=torch.double))
+    cnt = torch.zeros(k, dtype=torch.double).index_add_(0, inv.flatten(), w.repeat_interleave(d_max))
+    node_valid = cnt > 0
+    node_depth = torch.zeros(k, dtype=torch.long).index_put_((inv.flatten(),), torch.arange(1, d_max + 1).repeat(n))
+    node_tree = torch.zeros(k, dtype=torch.long).index_put_((inv.flatten(),), gid.repeat_interleave(d_max))
+    if t.fusion == "mean":
+        node_r = torch.zeros(k, dtype=torch.double).index_add_(0, inv.flatten(), r.repeat_interleave(d_max))
+        node_r = node_r / cnt.clamp(min=1)
+    elif t.fusion == "softmax":
+        node_r = _softmax_fusion(r, valid, inv, depth, step, rollout.old_log_prob, cfg)
+    else:
+        raise ValueError(f"tree.fusion must be 'mean' or 'softmax', got {t.fusion!r}")
+    groups = node_tree * (d_max + 1) + node_depth
+    node_adv, est_stats = estimator(node_r.float(), groups, node_valid, cfg.algo)      # [K]
+    stats = {f"tree/node_{key.split('/')[-1]}": v for key, v in est_stats.items()}
+    col_adv = torch.zeros(n, a)
+    for d in range(1, d_max + 1):
+        cols = depth[0] == d
+        col_adv[:, cols] = node_adv[inv[:, d - 1]].unsqueeze(-1)
+    mask = _first_valid_owner(node, valid) & (depth > 0)
+    mask &= ~_pruned(step, col_adv, valid, cfg, iteration)
+    stats.update({"tree/nodes": float(k), "tree/transitions": float(_first_valid_owner(node, valid).sum()),
+                  "tree/trained_transitions": float(mask.sum())})
+    rollout.action_mask = mask
+    return col_adv, stats
+
+
+def _softmax_fusion(r, valid, inv, depth, step, old_log_prob, cfg):
+    """Bottom-up R(node) = sum_c softmax_c(alpha * logp(split edge of c)) R(c); leaves keep their reward."""
+    n, d_max = inv.shape
+    k = int(inv.max()) + 1
+    node_r = torch.zeros(k, dtype=torch.double)
+    node_r[inv[:, -1]] = r
+    ok = torch.zeros(k, dtype=torch.bool)
+    ok[inv[:, -1]] = valid
+    for d in range(d_max - 1, 0, -1):  # parents at depth d, children at depth d + 1
+        split_col = (depth[0] == d + 1).nonzero()[0, 0]
+        child, parent = inv[:, d], inv[:, d - 1]
+        lp = torch.zeros(k, dtype=torch.double)
+        lp[child] = old_log_prob[:, split_col].double()
+        uc, first = torch.unique(child, return_inverse=True)
+        par_of = torch.zeros(len(uc), dtype=torch.long).index_put_((first,), parent)
+        logits = torch.where(ok[uc], cfg.tree.fusion_alpha * lp[uc], torch.full_like(lp[uc], -torch.inf))
+        for p in torch.unique(par_of):
+            sel = par_of == p
+            if ok[uc[sel]].any():
+                wts = torch.softmax(logits[sel], 0)
+                node_r[p] = (wts * torch.where(ok[uc[sel]], node_r[uc[sel]], torch.zeros_like(wts))).sum()
+                ok[p] = True
+    return node_r
+
+
+def _pruned(step: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, cfg, iteration: int) -> torch.Tensor:
+    """[N, A] bool: transitions left out of training by depth pruning and width pruning."""
+    t = cfg.tree
+    out = torch.zeros_like(step, dtype=torch.bool)
+    last_split = max(t.split_steps)
+    if t.prune_steps:
+        shift = iteration // t.prune_slide_every if t.prune_slide_every > 0 else 0
+        shift = min(shift, max(min(t.prune_steps) - last_split - 1, 0))  # slide no earlier than past the last split
+        out |= torch.isin(step, torch.tensor([s - shift for s in t.prune_steps]))
+    post = step > last_split                                                            # [N, A]
+    if t.width_prune == 1:     # each leaf keeps the first width_ratio of its post-split steps
+        n_post = int(post[0].sum())
+        keep = max(1, int(n_post * t.width_ratio))
+        out |= post & (post.long().cumsum(1) > keep)
+    elif t.width_prune == 2 and post.any():  # keep the best and the worst leaves by advantage across the batch
+        leaf_adv = adv[:, -1]                # the last action is post-split: its node is the leaf
+        rows = valid.nonzero().squeeze(-1)
+        keep = max(2, int(len(rows) * t.width_ratio))
+        order = rows[torch.argsort(leaf_adv[rows], descending=True, stable=True)]
+        kept = torch.cat([order[:keep // 2], order[len(order) - (keep - keep // 2):]])
+        drop = torch.ones(len(step), dtype=torch.bool)
+        drop[kept] = False
+        out |= post & drop.unsqueeze(-1)
+    return out
