@@ -26,10 +26,12 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     policy: str = "flow"          # policy registry key (mmrl.policy.POLICIES): flow | vlm
-    path: str = "tasks/assets/shapes-base"  # diffusers SD3 pipeline folder or mmrl pixel-model folder
+    path: str = "tasks/assets/shapes-base"  # diffusers SD3 / FLUX / Wan pipeline folder or mmrl pixel-model folder
     dtype: str = "float32"        # float32 | bfloat16 (transformer weights; the SDE math is always fp32)
     device: str = "auto"          # auto = cuda if available else cpu
-    sample_size: int | None = None  # latent size override for SD3 pipelines (e.g. 64 = 512 px)
+    sample_size: int | None = None  # latent size (H = W) override for diffusers pipelines (e.g. SD3 64 = 512 px)
+    num_frames: int | None = None   # Wan: video frames (latent frames = (num_frames - 1) / 4 + 1); None = 81
+    guidance: float = 3.5         # FLUX.1-dev guidance-embedding scale (FLUX distills CFG: keep sampler.cfg_scale 1)
     reference: str = "auto"       # KL reference: auto (adapters off with LoRA, else frozen copy) | none
     lora: LoraConfig = field(default_factory=LoraConfig)
     trust_remote_code: bool = False  # transformers models: run code shipped with a checkpoint only if you trust it

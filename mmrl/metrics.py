@@ -10,6 +10,13 @@ import time
 import torch
 
 
+def video_strips(videos: torch.Tensor, max_frames: int = 8) -> torch.Tensor:
+    """[N, 3, F, H, W] -> [N, 3, H, F' * W]: F' <= max_frames evenly spaced frames side by side."""
+    f = videos.shape[2]
+    idx = torch.linspace(0, f - 1, min(f, max_frames)).round().long()
+    return videos[:, :, idx].permute(0, 1, 3, 2, 4).flatten(3)
+
+
 class Logger:
     def __init__(self, out_dir: str, tensorboard: bool = True):
         os.makedirs(out_dir, exist_ok=True)
@@ -29,11 +36,14 @@ class Logger:
                 self.tb.add_scalar(k, v, step)
 
     def images(self, step: int, tag: str, images: torch.Tensor, captions: list[str], nrow: int = 8) -> None:
-        """images [N, 3, H, W] in [-1, 1] -> one grid image, and the captions in grid order as text."""
+        """images [N, 3, H, W] in [-1, 1] -> one grid image, and the captions in grid order as text.
+        Videos [N, 3, F, H, W] become strips of at most 8 evenly spaced frames, one video per row."""
         if not self.tb:
             return
         from torchvision.utils import make_grid
 
+        if images.dim() == 5:
+            images, nrow = video_strips(images), 1
         grid = make_grid((images.detach().float().cpu().clamp(-1, 1) + 1) / 2, nrow=nrow, padding=1, pad_value=1.0)
         self.tb.add_image(tag, grid, step)
         rows = [" | ".join(captions[i:i + nrow]) for i in range(0, len(captions), nrow)]

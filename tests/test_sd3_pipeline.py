@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mmrl.config import load_config
-from mmrl.models.tiny_sd3 import build_tiny_sd3_pipeline
+from mmrl.models.tiny_pipelines import build_tiny_sd3_pipeline
 from mmrl.policy import POLICIES
 from mmrl.policy.flow import load_policy_checkpoint
 

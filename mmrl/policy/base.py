@@ -38,14 +38,16 @@ class Policy(Protocol):
 ADAPTER_FILE = "adapter_model.safetensors"
 
 
-def write_policy_meta(path: str, policy: str, base_model: str, lora: bool) -> None:
-    """mmrl_policy.json: which policy wrote the checkpoint folder, its base model, and whether it is an adapter."""
+def write_policy_meta(path: str, policy: str, base_model: str, lora: bool, **model_options) -> None:
+    """mmrl_policy.json: which policy wrote the checkpoint folder, its base model, whether it is an adapter,
+    and the options the base model was loaded with (e.g. a generator's sample_size)."""
     import json
     import os
 
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "mmrl_policy.json"), "w") as f:
-        json.dump({"policy": policy, "base_model": os.path.abspath(base_model), "lora": lora}, f, indent=2)
+        json.dump({"policy": policy, "base_model": os.path.abspath(base_model), "lora": lora,
+                   "model_options": model_options}, f, indent=2)
 
 
 def save_lora_adapter(module: torch.nn.Module, lora_config, path: str) -> None:

@@ -22,19 +22,17 @@ from mmrl.policy.flow_model import FlowModel, load_flow_model, sigma_schedule
 from mmrl.rollout.tree import run_tree, trained_steps
 from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std
 
-# Flow-GRPO's SD3 LoRA targets: the joint attention projections of every MMDiT block.
-SD3_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
 WEIGHTS_FILE = "trainable.safetensors"
 
 
 class FlowPolicy:
     def __init__(self, model: FlowModel, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = "",
-                 progress: bool = False, tree_cfg=None):
+                 progress: bool = False, tree_cfg=None, model_options: dict | None = None):
         from mmrl.config import TreeConfig
 
         self.model, self.cfg, self.model_path, self.progress = model, sampler_cfg, model_path, progress
         self.tree = tree_cfg or TreeConfig()
+        self.model_options = model_options or {}  # how the base was loaded (sample_size ...), kept in checkpoints
         self.transformer = model.transformer
         self.device = next(self.transformer.parameters()).device
         self.lora = bool(lora_cfg.enabled)
@@ -42,7 +40,7 @@ class FlowPolicy:
             from peft import LoraConfig
 
             self.lora_config = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, init_lora_weights="gaussian",
-                                          target_modules=list(lora_cfg.target_modules) or SD3_LORA_TARGETS)
+                                          target_modules=list(lora_cfg.target_modules or model.lora_targets))
             self.transformer.requires_grad_(False)
             self.transformer.add_adapter(self.lora_config)
         else:
@@ -209,7 +207,7 @@ class FlowPolicy:
     def save_pretrained(self, path: str) -> None:
         """LoRA: peft adapter (adapter_model.safetensors + adapter_config.json). Full fine-tuning: the whole
         model folder (loadable by load_flow_model) for the pixel model, else the transformer's weights."""
-        write_policy_meta(path, "flow", self.model_path, self.lora)
+        write_policy_meta(path, "flow", self.model_path, self.lora, **self.model_options)
         if self.lora:
             save_lora_adapter(self.transformer, self.lora_config, path)
             return
@@ -249,8 +247,10 @@ def build_flow_policy(cfg) -> FlowPolicy:
     if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
         raise ValueError(f"{path!r} is an mmrl policy checkpoint; use it with mmrl eval, or set model.path to a "
                          f"base model folder")
-    model = load_flow_model(path, dtype, device, cfg.model.sample_size)
-    return FlowPolicy(model, cfg.sampler, cfg.model.lora, cfg.model.reference, path, cfg.log.progress, cfg.tree)
+    options = {"sample_size": cfg.model.sample_size, "num_frames": cfg.model.num_frames, "guidance": cfg.model.guidance}
+    model = load_flow_model(path, dtype, device, **options)
+    return FlowPolicy(model, cfg.sampler, cfg.model.lora, cfg.model.reference, path, cfg.log.progress, cfg.tree,
+                      options)
 
 
 def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:
@@ -259,15 +259,16 @@ def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:
     if not os.path.isfile(meta_file):
         return load_flow_model(path, device=device)  # a plain model folder
     meta = json.load(open(meta_file))
+    options = meta.get("model_options", {})
     if not meta["lora"]:
         if os.path.isfile(os.path.join(path, "model_index.json")):
             return load_flow_model(path, device=device)
-        model = load_flow_model(meta["base_model"], device=device)
+        model = load_flow_model(meta["base_model"], device=device, **options)
         _load_transformer_weights(model.transformer, path)
         return model
     from peft import LoraConfig
 
-    model = load_flow_model(meta["base_model"], device=device)
+    model = load_flow_model(meta["base_model"], device=device, **options)
     model.transformer.add_adapter(LoraConfig.from_pretrained(path))
     load_lora_adapter(model.transformer, path)
     model.transformer.eval()

@@ -1,6 +1,6 @@
 """The parts of a flow generator that every flow policy, script and benchmark shares.
 
-`FlowModel` = transformer (diffusers SD3Transformer2DModel) + prompt encoder + codec + scheduler sigmas:
+`FlowModel` = transformer (diffusers SD3 / FLUX / Wan, or the pixel SD3) + prompt encoder + codec + sigmas:
 - `encode_prompts(texts) -> (enc [B, L, D], pooled [B, P])`
 - `velocity(x [N, C, H, W], sigma [N], enc, pooled, cfg_scale) -> v [N, C, H, W]` with classifier-free guidance
   `v = v_u + w (v_c - v_u)` computed in one batched forward (uncond first)
@@ -10,8 +10,8 @@
 clean image, as JiT argues for pixel-space transformers with large patches); `velocity` always returns v, so
 samplers and policies never see the difference (`velocity_from_prediction`).
 
-`load_flow_model(path)` reads either a diffusers `StableDiffusion3Pipeline` folder (SD3 / SD3.5, latent space:
-the VAE and the three text encoders come from the pipeline) or mmrl's pixel-space folder
+`load_flow_model(path)` reads a diffusers pipeline folder (SD3 / SD3.5, FLUX.1, Wan2.x; latent space through
+the pipeline's VAE and text encoders; mmrl/models/pipelines.py) or mmrl's pixel-space folder
 (`mmrl/models/pixel_t2i.py`).
 """
 
@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from mmrl.models.pipelines import PIPELINES, SD3_LORA_TARGETS, load_pipeline_model, sd3_call
 from mmrl.models.pixel_t2i import PIPELINE_CLASS
 
 EncodeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
@@ -34,10 +35,12 @@ class FlowModel:
     transformer: torch.nn.Module
     encode_prompts: EncodeFn                     # texts -> (enc [B, L, D], pooled [B, P])
     decode: Callable[[torch.Tensor], torch.Tensor]
-    latent_shape: tuple[int, int, int]           # (C, H, W) of what the transformer denoises
+    latent_shape: tuple[int, ...]                # (C, H, W) or (C, F, H, W) of what the transformer denoises
     text_modules: tuple[torch.nn.Module, ...] = ()  # text encoders (frozen during RL)
     pipeline_class: str = PIPELINE_CLASS
     prediction: str = "velocity"                 # what the transformer outputs: "velocity" | "sample"
+    call: Callable = sd3_call                    # (transformer, x, sigma, enc, pooled) -> output like x
+    lora_targets: tuple[str, ...] = SD3_LORA_TARGETS
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, enc: torch.Tensor, pooled: torch.Tensor,
                  cfg_scale: float = 1.0, neg: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -78,9 +81,7 @@ class FlowModel:
 
     def _forward(self, x, sigma, enc, pooled):
         dtype = next(self.transformer.parameters()).dtype
-        out = self.transformer(hidden_states=x.to(dtype), encoder_hidden_states=enc.to(dtype),
-                               pooled_projections=pooled.to(dtype), timestep=(sigma * 1000).to(dtype),
-                               return_dict=False)[0]
+        out = self.call(self.transformer, x.to(dtype), sigma.to(dtype), enc.to(dtype), pooled.to(dtype))
         return velocity_from_prediction(out.float(), x, sigma, self.prediction)
 
 
@@ -131,47 +132,25 @@ def make_clip_encoder(tokenizer, text_encoder) -> EncodeFn:
     return encode
 
 
-def _sd3_model(path: str, dtype: torch.dtype, device: str) -> FlowModel:
-    from diffusers import StableDiffusion3Pipeline
-
-    pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype).to(device)
-
-    @torch.no_grad()
-    def encode(texts):
-        enc, _, pooled, _ = pipe.encode_prompt(list(texts), list(texts), list(texts), device=pipe.device,
-                                               do_classifier_free_guidance=False)
-        return enc, pooled
-
-    vae = pipe.vae
-
-    def decode(latents):
-        latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        return vae.decode(latents, return_dict=False)[0].float().clamp(-1, 1)
-
-    size = pipe.default_sample_size  # latent size
-    texts = tuple(m for m in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3) if m is not None)
-    return FlowModel(pipe.transformer, encode, decode, (pipe.transformer.config.in_channels, size, size),
-                     texts + (vae,), pipeline_class="StableDiffusion3Pipeline")
-
-
 def load_flow_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                    sample_size: int | None = None) -> FlowModel:
-    """Load a flow generator folder. `sample_size` overrides the latent size of SD3 pipelines."""
+                    sample_size: int | None = None, num_frames: int | None = None, guidance: float = 3.5) -> FlowModel:
+    """Load a flow generator folder: a diffusers SD3 / FLUX / Wan pipeline or mmrl's pixel model.
+    `sample_size` overrides the latent size (H = W) of pipelines, `num_frames` the video length of Wan,
+    `guidance` is FLUX's guidance-embedding scale."""
     index_file = os.path.join(path, "model_index.json")
     if not os.path.isfile(index_file):
         raise FileNotFoundError(f"{path!r} has no model_index.json: point model.path at a diffusers "
-                                f"StableDiffusion3Pipeline folder or an mmrl pixel-model folder "
+                                f"pipeline folder ({', '.join(PIPELINES)}) or an mmrl pixel-model folder "
                                 f"(scripts/pretrain_shapes.py writes one)")
     cls = json.load(open(index_file)).get("_class_name")
     if cls == PIPELINE_CLASS:
         model = _pixel_model(path, dtype)
-    elif cls in ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline"):
-        model = _sd3_model(path, dtype, device)
-        if sample_size:
-            model.latent_shape = (model.latent_shape[0], sample_size, sample_size)
+    elif cls in PIPELINES or cls == "StableDiffusion3Img2ImgPipeline":
+        cls = "StableDiffusion3Pipeline" if cls.startswith("StableDiffusion3") else cls
+        model = load_pipeline_model(cls, path, dtype, device, sample_size, num_frames, guidance)
     else:
         raise ValueError(f"unsupported pipeline class {cls!r} in {index_file}; supported: "
-                         f"{PIPELINE_CLASS}, StableDiffusion3Pipeline")
+                         f"{PIPELINE_CLASS}, {', '.join(PIPELINES)}")
     for m in model.text_modules:
         m.requires_grad_(False).eval()
     model.transformer.to(device)

@@ -1,0 +1,104 @@
+"""diffusers pipelines as FlowModels: SD3 / SD3.5, FLUX.1 and Wan2.x, loaded with `from_pretrained`.
+
+Each loader gives the FlowModel its transformer call: how the architecture takes latents, sigma and text.
+Samplers and policies always see unpacked latents x [N, *latent_shape] and a velocity of the same shape:
+- SD3 (`SD3Transformer2DModel`): x [N, 16, H, W]; timestep = 1000 sigma; T5+CLIP tokens and pooled CLIP.
+- FLUX.1 (`FluxTransformer2DModel`): x [N, 16, H, W] is packed into 2x2 patches [N, HW/4, 64] for the call
+  and unpacked after (a permutation, so densities are unchanged); timestep = sigma; the guidance embedding
+  (FLUX.1-dev; `model.guidance`, 3.5 by default) replaces classifier-free guidance; image and text RoPE ids.
+- Wan2.x (`WanTransformer3DModel`): video latents x [N, 16, F', H, W] (F' = (frames - 1) / 4 + 1);
+  timestep = 1000 sigma; UMT5 tokens, no pooled embedding (an empty [N, 0] tensor stands in).
+Scheduler shifts come from sampler.shift (static; FLUX's resolution-dependent shift is not applied).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# LoRA targets per architecture (peft matches module-name suffixes)
+SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # self- and cross-attention of every block
+PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline", "WanPipeline")
+
+
+def sd3_call(transformer, x, sigma, enc, pooled):
+    return transformer(hidden_states=x, encoder_hidden_states=enc, pooled_projections=pooled,
+                       timestep=sigma * 1000, return_dict=False)[0]
+
+
+def flux_call(guidance: float):
+    def call(transformer, x, sigma, enc, pooled):
+        n, c, h, w = x.shape
+        packed = x.view(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(n, h * w // 4, c * 4)
+        rows, cols = torch.meshgrid(torch.arange(h // 2), torch.arange(w // 2), indexing="ij")
+        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).to(x)   # [HW/4, 3]
+        txt_ids = torch.zeros(enc.shape[1], 3).to(x)                                            # [L, 3]
+        g = torch.full((n,), guidance).to(x) if transformer.config.guidance_embeds else None
+        out = transformer(hidden_states=packed, timestep=sigma, guidance=g, pooled_projections=pooled,
+                          encoder_hidden_states=enc, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+        return out.view(n, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, c, h, w)
+
+    return call
+
+
+def wan_call(transformer, x, sigma, enc, pooled):
+    return transformer(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=enc, return_dict=False)[0]
+
+
+def load_pipeline_model(cls: str, path: str, dtype: torch.dtype, device: str, sample_size: int | None,
+                        num_frames: int | None, guidance: float):
+    """A FlowModel of the diffusers pipeline folder `path` whose model_index.json names `cls`."""
+    import diffusers
+
+    from mmrl.policy.flow_model import FlowModel
+
+    pipe = getattr(diffusers, cls).from_pretrained(path, dtype=dtype).to(device)
+    vae, tr = pipe.vae, pipe.transformer
+
+    if cls == "WanPipeline":
+        @torch.no_grad()
+        def encode(texts):
+            enc, _ = pipe.encode_prompt(list(texts), do_classifier_free_guidance=False, device=pipe.device)
+            return enc, enc.new_zeros(len(texts), 0)
+
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+
+        def decode(latents):  # [N, 16, F', H, W] -> video [N, 3, F, 8H, 8W] in [-1, 1]
+            z = latents.to(vae.dtype) * std.to(latents) + mean.to(latents)
+            return vae.decode(z, return_dict=False)[0].float().clamp(-1, 1)
+
+        frames = num_frames or 81
+        size = sample_size or 60  # 480 px
+        shape = (tr.config.in_channels, (frames - 1) // pipe.vae_scale_factor_temporal + 1, size, size)
+        return FlowModel(tr, encode, decode, shape, (pipe.text_encoder, vae), pipeline_class=cls,
+                         call=wan_call, lora_targets=WAN_LORA_TARGETS)
+
+    if cls == "FluxPipeline":
+        @torch.no_grad()
+        def encode(texts):
+            length = min(512, pipe.tokenizer_2.model_max_length)
+            enc, pooled, _ = pipe.encode_prompt(list(texts), list(texts), device=pipe.device, max_sequence_length=length)
+            return enc, pooled
+
+        channels, call = tr.config.in_channels // 4, flux_call(guidance)
+        size = sample_size or pipe.default_sample_size
+        texts = (pipe.text_encoder, pipe.text_encoder_2)
+    else:
+        @torch.no_grad()
+        def encode(texts):
+            enc, _, pooled, _ = pipe.encode_prompt(list(texts), list(texts), list(texts), device=pipe.device,
+                                                   do_classifier_free_guidance=False)
+            return enc, pooled
+
+        channels, call = tr.config.in_channels, sd3_call
+        size = sample_size or pipe.default_sample_size
+        texts = tuple(m for m in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3) if m is not None)
+
+    def decode(latents):  # [N, 16, H, W] -> images [N, 3, 8H, 8W] in [-1, 1]
+        latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        return vae.decode(latents, return_dict=False)[0].float().clamp(-1, 1)
+
+    return FlowModel(tr, encode, decode, (channels, size, size), texts + (vae,), pipeline_class=cls, call=call,
+                     lora_targets=SD3_LORA_TARGETS)

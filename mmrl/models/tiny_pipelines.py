@@ -1,0 +1,83 @@
+"""Tiny random-init diffusers pipelines of the real classes, built from configs and a locally trained BPE
+tokenizer: the stand-ins for SD3.5, FLUX.1 and Wan2.x checkpoints in tests (no hub here). Saved with
+save_pretrained, they load through the same `from_pretrained` code as the real checkpoints."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import (AutoencoderKL, AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, FluxPipeline,
+                       FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline, WanPipeline,
+                       WanTransformer3DModel)
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, PreTrainedTokenizerFast, T5Config,
+                          T5EncoderModel, UMT5Config, UMT5EncoderModel)
+
+_CORPUS = ["a red circle and a blue square", "a photo of a cat on a mat", "two green triangles left of a dog"] * 20
+
+
+def _tokenizer(max_length: int = 77) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", model_max_length=max_length, padding_side="right")
+
+
+CLIP = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            max_position_embeddings=77, projection_dim=32, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _vae() -> AutoencoderKL:  # 16 latent channels, x2 spatial compression
+    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                         up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+                         latent_channels=16, norm_num_groups=8, sample_size=16, shift_factor=0.0609,
+                         scaling_factor=1.5035, use_quant_conv=False, use_post_quant_conv=False)
+
+
+def build_tiny_sd3_pipeline(seed: int = 0) -> StableDiffusion3Pipeline:
+    torch.manual_seed(seed)
+    clip = CLIP
+    return StableDiffusion3Pipeline(
+        transformer=SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=1,
+                                          attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
+                                          caption_projection_dim=16, pooled_projection_dim=64, pos_embed_max_size=16),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_vae(),
+        text_encoder=CLIPTextModelWithProjection(CLIPTextConfig(**clip)), tokenizer=_tokenizer(),
+        text_encoder_2=CLIPTextModelWithProjection(CLIPTextConfig(**clip)), tokenizer_2=_tokenizer(),
+        text_encoder_3=T5EncoderModel(T5Config(vocab_size=300, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)),
+        tokenizer_3=_tokenizer())
+
+
+def build_tiny_flux_pipeline(seed: int = 0, guidance_embeds: bool = True) -> FluxPipeline:
+    """FLUX.1-dev layout: CLIP (pooled) + T5 (tokens), a FluxTransformer2DModel over 2x2-packed 16-channel latents
+    (in_channels 64), the guidance embedding on (dev) or off (schnell)."""
+    torch.manual_seed(seed)
+    return FluxPipeline(
+        transformer=FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
+                                           attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                           pooled_projection_dim=32, guidance_embeds=guidance_embeds,
+                                           axes_dims_rope=(4, 4, 8)),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_vae(),
+        text_encoder=CLIPTextModel(CLIPTextConfig(**CLIP)), tokenizer=_tokenizer(),
+        text_encoder_2=T5EncoderModel(T5Config(vocab_size=300, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)),
+        tokenizer_2=_tokenizer(32))
+
+
+def build_tiny_wan_pipeline(seed: int = 0) -> WanPipeline:
+    """Wan2.1 layout: UMT5 text encoder, WanTransformer3DModel over [16, F', H, W] video latents, the causal video
+    VAE (x4 temporal, x8 spatial compression)."""
+    torch.manual_seed(seed)
+    return WanPipeline(
+        transformer=WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                          in_channels=16, out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32,
+                                          num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                                          rope_max_seq_len=32),
+        vae=AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                             temperal_downsample=[False, True, True]),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        text_encoder=UMT5EncoderModel(UMT5Config(vocab_size=300, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                                 num_heads=4)),
+        tokenizer=_tokenizer(32))

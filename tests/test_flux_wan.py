@@ -1,0 +1,98 @@
+"""FLUX.1 and Wan2.x through the flow policy: tiny pipelines of the real classes saved with save_pretrained and
+loaded by model.path (the same from_pretrained code as real checkpoints); the policy contract, LoRA on the
+architecture's attention, checkpoints that reload with their options, trees on video latents."""
+
+import pytest
+import torch
+
+from mmrl.config import load_config
+from mmrl.metrics import video_strips
+from mmrl.models.pipelines import flux_call
+from mmrl.models.tiny_pipelines import build_tiny_flux_pipeline, build_tiny_wan_pipeline
+from mmrl.policy import POLICIES
+from mmrl.policy.flow import load_policy_checkpoint
+
+PROMPTS = [{"prompt": "a red circle moving left"}, {"prompt": "a cat"}]
+
+
+@pytest.fixture(scope="module")
+def pipelines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipelines")
+    build_tiny_flux_pipeline().save_pretrained(str(root / "flux"))
+    build_tiny_wan_pipeline().save_pretrained(str(root / "wan"))
+    return {"flux": str(root / "flux"), "wan": str(root / "wan")}
+
+
+def policy(path, *items):
+    return POLICIES["flow"](load_config(None, [f"model.path={path}", "sampler.num_steps=4", "sampler.shift=3.0",
+                                               "sampler.cfg_scale=1.0", *items]))
+
+
+def contract(pol, latent, output):
+    ro = pol.sample(PROMPTS, 2, torch.Generator().manual_seed(0))
+    assert ro.extras["latents"].shape == (4, 3, *latent) and ro.outputs.shape == (4, *output)
+    assert torch.isfinite(ro.outputs).all() and ro.outputs.abs().max() <= 1
+    assert torch.equal(pol.sample(PROMPTS, 2, torch.Generator().manual_seed(0)).outputs, ro.outputs)
+    out = pol.log_prob(ro, torch.arange(4))
+    assert (out.log_prob - ro.old_log_prob).abs().max() < 1e-5
+    out.log_prob.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in pol.trainable_parameters())
+    return ro
+
+
+def test_flux_packing_is_a_permutation():
+    """The 2x2 packing around the FLUX call is undone exactly: a transformer returning its input gives v = x."""
+    class Echo(torch.nn.Module):
+        config = type("C", (), {"guidance_embeds": False})
+
+        def forward(self, hidden_states, **kw):
+            assert hidden_states.shape == (2, 16, 64) and kw["img_ids"].shape == (16, 3)
+            return (hidden_states,)
+
+    x = torch.randn(2, 16, 8, 8)
+    assert torch.equal(flux_call(3.5)(Echo(), x, torch.rand(2), torch.randn(2, 5, 32), torch.randn(2, 32)), x)
+
+
+def test_flux_policy_contract_lora_and_checkpoint(pipelines, tmp_path):
+    pol = policy(pipelines["flux"], "model.sample_size=8", "model.lora.enabled=true", "model.lora.rank=4")
+    assert pol.model.latent_shape == (16, 8, 8)
+    lora = [n for n, _ in pol.transformer.named_parameters() if "lora_A" in n]
+    assert any("single_transformer_blocks" in n for n in lora) and any("add_q_proj" in n for n in lora)
+    contract(pol, (16, 8, 8), (3, 16, 16))
+    # the guidance embedding reaches the transformer
+    x, s = pol.model.initial_noise([0]), torch.tensor([0.6])
+    enc, pooled = pol.model.encode_prompts(["a cat"])
+    with torch.no_grad():
+        v1 = pol.model.velocity(x, s, enc, pooled)
+        pol.model.call = flux_call(7.0)
+        v2 = pol.model.velocity(x, s, enc, pooled)
+    assert not torch.allclose(v1, v2)
+    with torch.no_grad():
+        for p in pol.trainable_parameters():
+            p.add_(0.01)
+    pol.save_pretrained(str(tmp_path / "policy"))
+    model = load_policy_checkpoint(str(tmp_path / "policy"))
+    assert model.latent_shape == (16, 8, 8)  # the sample_size the policy trained with
+    pol.model.call = flux_call(3.5)
+    with torch.no_grad():
+        assert torch.allclose(model.velocity(x, s, enc, pooled), pol.model.velocity(x, s, enc, pooled), atol=1e-5)
+
+
+def test_wan_video_policy_contract_and_trees(pipelines):
+    pol = policy(pipelines["wan"], "model.sample_size=4", "model.num_frames=9", "model.lora.enabled=true",
+                 "model.lora.rank=4", "sampler.cfg_scale=3.0")
+    lora = [n for n, _ in pol.transformer.named_parameters() if "lora_A" in n]
+    assert any("attn1.to_q" in n for n in lora) and any("attn2.to_k" in n for n in lora)
+    contract(pol, (16, 3, 4, 4), (3, 9, 32, 32))  # 9 frames of 32 x 32 from 3 latent frames of 4 x 4
+    # BranchGRPO trees on video latents: the same policy, a config choice
+    tree = policy(pipelines["wan"], "model.sample_size=4", "model.num_frames=9", "tree.split_steps=[0]",
+                  "train.group_size=2", "algo.loss_agg=token_mean")
+    ro = tree.sample(PROMPTS, 2, torch.Generator().manual_seed(0))
+    assert ro.outputs.shape == (4, 3, 9, 32, 32) and ro.extras["tree_node"].shape == (4, 3)
+
+
+def test_video_strips():
+    v = torch.arange(2 * 3 * 12 * 2 * 2, dtype=torch.float).view(2, 3, 12, 2, 2)
+    s = video_strips(v, max_frames=4)
+    assert s.shape == (2, 3, 2, 8)
+    assert torch.equal(s[:, :, :, 2:4], v[:, :, 4]) and torch.equal(s[:, :, :, 6:8], v[:, :, 11])  # frames 0, 4, 7, 11
