@@ -28,6 +28,13 @@ def _shapes(**kwargs):
     return ShapesReward(**kwargs)
 
 
+@REWARDS.register("motion")
+def _motion(**kwargs):
+    from rewards.motion import MotionReward
+
+    return MotionReward(**kwargs)
+
+
 @REWARDS.register("grounding")
 def _grounding(**kwargs):
     from rewards.grounding import GroundingReward

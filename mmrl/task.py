@@ -49,6 +49,23 @@ class ShapesTask:
         return [{"prompt": p.text, "category": p.spec.category} for p in self.eval]
 
 
+class MotionTask:
+    """The embedded motion text-to-video world (tasks/motion.py): trains on one split of texts, evaluates on
+    the other, the four directions equally represented (the example category is the direction)."""
+
+    def __init__(self, cfg):
+        from tasks import motion
+
+        self.train = motion.prompts(cfg.split)
+        self.eval = motion.balanced_prompts(cfg.eval_split, cfg.eval_prompts, seed=1234)
+
+    def sample(self, n, rng):
+        return [{"prompt": p.text, "category": p.spec.direction} for p in (rng.choice(self.train) for _ in range(n))]
+
+    def eval_examples(self):
+        return [{"prompt": p.text, "category": p.spec.direction} for p in self.eval]
+
+
 class PromptFileTask:
     """Prompts from a UTF-8 text file, one per line (blank lines and lines starting with '#' ignored)."""
 
@@ -162,6 +179,7 @@ class ArithmeticTask:
 
 
 TASKS.register("shapes")(ShapesTask)
+TASKS.register("motion")(MotionTask)
 TASKS.register("prompt_file")(PromptFileTask)
 TASKS.register("grounding")(GroundingTask)
 TASKS.register("grounding_world")(GroundingWorldTask)

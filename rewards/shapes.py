@@ -104,18 +104,28 @@ def score(spec: Spec, dets: list[Detection], size: int) -> tuple[float, float]:
     return float(all(checks)), float(np.mean(checks))
 
 
+def saturation(imgs: np.ndarray) -> np.ndarray:
+    """Mean chroma (max - min channel) / 255 of each image [N, H, W, 3] uint8 -> [N] in [0, 1]; the gray
+    background, black and white score 0."""
+    x = imgs.astype(np.float32)
+    return ((x.max(-1) - x.min(-1)) / 255.0).mean(axis=(1, 2))
+
+
 class ShapesReward:
-    """Reward callable `(outputs, examples) -> {"overall": [N], "strict": [N], "partial": [N]}`.
+    """Reward callable `(outputs, examples) -> {"overall": [N], "strict": [N], "partial": [N], ...}`.
 
     outputs: images [N, 3, H, W] in [-1, 1]; examples: the prompt texts (str) or dicts with a "prompt" key.
-    `overall` is `strict_weight * strict + (1 - strict_weight) * partial`.
+    `overall` is `strict_weight * strict + (1 - strict_weight) * partial + saturation_weight * saturation`.
+    saturation_weight > 0 makes a hackable proxy (it pays for colored area whatever the prompt asks; the
+    over-optimization experiment of the README): "saturation" is then logged, and "strict" stays the gold metric.
     """
 
-    def __init__(self, strict_weight: float = 0.5, min_area: int | None = None):
+    def __init__(self, strict_weight: float = 0.5, min_area: int | None = None, saturation_weight: float = 0.0):
         if not 0.0 <= strict_weight <= 1.0:
             raise ValueError(f"strict_weight must be in [0, 1], got {strict_weight}")
         self.strict_weight = strict_weight
         self.min_area = min_area
+        self.saturation_weight = saturation_weight
 
     def __call__(self, outputs: torch.Tensor, examples) -> dict[str, torch.Tensor]:
         imgs = to_uint8(outputs)
@@ -128,4 +138,8 @@ class ShapesReward:
             partial.append(p)
         strict_t, partial_t = torch.tensor(strict), torch.tensor(partial)
         overall = self.strict_weight * strict_t + (1 - self.strict_weight) * partial_t
-        return {"overall": overall, "strict": strict_t, "partial": partial_t}
+        out = {"strict": strict_t, "partial": partial_t}
+        if self.saturation_weight:
+            out["saturation"] = torch.from_numpy(saturation(imgs))
+            overall = overall + self.saturation_weight * out["saturation"]
+        return {"overall": overall, **out}

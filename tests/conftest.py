@@ -49,3 +49,16 @@ def build_tiny_vl(path: str, kind: str = "qwen2_5_vl") -> str:
 @pytest.fixture(scope="session")
 def tiny_vl(tmp_path_factory) -> str:
     return build_tiny_vl(str(tmp_path_factory.mktemp("models") / "tiny-qwen2_5_vl"))
+
+
+@pytest.fixture(scope="session")
+def tiny_motion_model(tmp_path_factory) -> str:
+    """A tiny random-init mmrl pixel VIDEO model folder (real WanTransformer3DModel + CLIP text encoder)."""
+    from mmrl.models.pixel_t2i import build_pipeline_parts, save_pipeline_parts
+    from tasks import motion
+
+    torch.manual_seed(0)
+    words = sorted({w for p in motion.all_prompts() for w in p.text.split()})
+    path = str(tmp_path_factory.mktemp("models") / "tiny-motion")
+    save_pipeline_parts(build_pipeline_parts(words, "tiny", 16, patch_size=4, frames=motion.FRAMES), path)
+    return path

@@ -15,7 +15,7 @@ def run(*args):
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("script", ["scripts/bench_shapes.py", "scripts/pretrain_shapes.py", "scripts/bench_grounding.py",
+@pytest.mark.parametrize("script", ["scripts/bench_shapes.py", "scripts/pretrain_world.py", "scripts/bench_grounding.py",
                                     "scripts/sft_grounding.py", "scripts/bench_vlm_step.py", "scripts/bench_prefix.py",
                                     "scripts/export_smollm2.py"])
 def test_help(script):
@@ -34,7 +34,7 @@ def test_bench_shapes_quick(tiny_pixel_model):
 
 def test_pretrain_tiny_writes_loadable_model(tmp_path):
     out = str(tmp_path / "base")
-    r = run("scripts/pretrain_shapes.py", "--size", "tiny", "--minutes", "0.05", "--batch", "8", "--eval-n", "6",
+    r = run("scripts/pretrain_world.py", "--size", "tiny", "--minutes", "0.05", "--batch", "8", "--eval-n", "6",
             "--out", out, "--threads", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     from mmrl.policy.flow_model import load_flow_model

@@ -54,3 +54,14 @@ def test_reward_callable_shapes():
     assert out["strict"].tolist() == [1.0, 1.0] and out["overall"].shape == (2,)
     blank = torch.zeros(2, 3, 24, 24)
     assert ShapesReward()(blank, texts)["strict"].tolist() == [0.0, 0.0]
+
+
+def test_saturation_proxy_by_hand():
+    """The hackable proxy pays for colored area: a quarter of the image pure red (chroma 1) -> 0.25."""
+    img = torch.zeros(1, 3, 8, 8)            # gray background
+    img[0, 0, :4, :4] = 1.0                  # red channel 255 ...
+    img[0, 1:, :4, :4] = -1.0                # ... green and blue 0
+    out = ShapesReward(strict_weight=1.0, saturation_weight=2.0)(img, ["a red square"])
+    assert out["saturation"].item() == pytest.approx(0.25, abs=1e-3)
+    assert out["overall"].item() == pytest.approx(out["strict"].item() + 0.5, abs=2e-3)
+    assert "saturation" not in ShapesReward()(img, ["a red square"])

@@ -1,10 +1,12 @@
-"""Builders for the small pixel-space text-to-image model of the embedded worlds, from configs in code.
+"""Builders for the small pixel-space generators of the embedded worlds, from configs in code.
 
-The model is a real diffusers `SD3Transformer2DModel` (MMDiT) generating RGB pixels directly (no VAE),
+The image model is a real diffusers `SD3Transformer2DModel` (MMDiT) generating RGB pixels directly (no VAE);
+the video model (motion world) a real `WanTransformer3DModel` generating RGB clips [3, F, H, W]. Both are
 conditioned by a real transformers `CLIPTextModelWithProjection` over a word-level tokenizer trained locally
 with `tokenizers`. Saved as a diffusers-style folder that `mmrl.policy.flow_model.load_flow_model` reads:
 
-    model_index.json   {"_class_name": "MMRLPixelPipeline", "sample_size": 36, "prediction": "velocity", ...}
+    model_index.json   {"_class_name": "MMRLPixelPipeline", "sample_size": 36, "prediction": "velocity",
+                        "transformer_class": "SD3Transformer2DModel" | "WanTransformer3DModel", "frames": F (video)}
     transformer/       SD3Transformer2DModel.save_pretrained (safetensors)
     text_encoder/      CLIPTextModelWithProjection.save_pretrained (safetensors)
     tokenizer/         PreTrainedTokenizerFast.save_pretrained
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 
-from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, WanTransformer3DModel
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, PreTrainedTokenizerFast
 
@@ -61,13 +63,32 @@ def build_transformer(size: str, sample_size: int, text_width: int, patch_size: 
                                  pos_embed_max_size=sample_size // patch_size, **TRANSFORMER_SIZES[size])
 
 
+VIDEO_SIZES = {
+    # 4 x 16 heads, 4 layers: ~0.3 M params; the motion-world model
+    "small": dict(num_layers=4, attention_head_dim=16, num_attention_heads=4, ffn_dim=256),
+    "tiny": dict(num_layers=1, attention_head_dim=8, num_attention_heads=2, ffn_dim=16),
+}
+
+
+def build_video_transformer(size: str, text_width: int, patch_size: int = 4) -> WanTransformer3DModel:
+    """A pixel-space Wan transformer: RGB clips [3, F, H, W], patches of 1 frame x patch x patch pixels."""
+    if size not in VIDEO_SIZES:
+        raise ValueError(f"unknown transformer size {size!r}; valid: {sorted(VIDEO_SIZES)}")
+    return WanTransformer3DModel(patch_size=(1, patch_size, patch_size), in_channels=3, out_channels=3,
+                                 text_dim=text_width, freq_dim=64, cross_attn_norm=True,
+                                 qk_norm="rms_norm_across_heads", rope_max_seq_len=32, **VIDEO_SIZES[size])
+
+
 def build_pipeline_parts(words: list[str], size: str = "small", sample_size: int = 36, text_width: int = 64,
-                         text_layers: int = 2, patch_size: int = 2) -> dict:
+                         text_layers: int = 2, patch_size: int = 2, frames: int = 0) -> dict:
+    """frames > 0 builds the video model (clips of `frames` frames), else the image model."""
     tokenizer = build_tokenizer(words)
     text_width = text_width if size != "tiny" else 16
+    transformer = (build_video_transformer(size, text_width, patch_size) if frames else
+                   build_transformer(size, sample_size, text_width, patch_size))
     return dict(tokenizer=tokenizer, text_encoder=build_text_encoder(tokenizer, text_width, text_layers if size != "tiny" else 1),
-                transformer=build_transformer(size, sample_size, text_width, patch_size),
-                scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0))
+                transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
+                sample_size=sample_size, frames=frames)
 
 
 def save_pipeline_parts(parts: dict, path: str, prediction: str = "velocity") -> None:
@@ -76,7 +97,10 @@ def save_pipeline_parts(parts: dict, path: str, prediction: str = "velocity") ->
     os.makedirs(path, exist_ok=True)
     for name in ("transformer", "text_encoder", "tokenizer", "scheduler"):
         parts[name].save_pretrained(os.path.join(path, name))
-    index = {"_class_name": PIPELINE_CLASS, "sample_size": parts["transformer"].config.sample_size,
-             "channels": parts["transformer"].config.in_channels, "prediction": prediction}
+    tr = parts["transformer"]
+    index = {"_class_name": PIPELINE_CLASS, "sample_size": parts.get("sample_size") or tr.config.sample_size,
+             "channels": tr.config.in_channels, "prediction": prediction, "transformer_class": type(tr).__name__}
+    if parts.get("frames"):
+        index["frames"] = parts["frames"]
     with open(os.path.join(path, "model_index.json"), "w") as f:
         json.dump(index, f, indent=2)

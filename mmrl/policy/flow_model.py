@@ -24,7 +24,8 @@ from typing import Callable
 
 import torch
 
-from mmrl.models.pipelines import PIPELINES, SD3_LORA_TARGETS, load_pipeline_model, sd3_call
+from mmrl.models.pipelines import (PIPELINES, SD3_LORA_TARGETS, WAN_LORA_TARGETS, load_pipeline_model, sd3_call,
+                                   wan_call)
 from mmrl.models.pixel_t2i import PIPELINE_CLASS
 
 EncodeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
@@ -108,16 +109,22 @@ def sigma_schedule(num_steps: int, shift: float = 1.0) -> torch.Tensor:
 
 
 def _pixel_model(path: str, dtype: torch.dtype) -> FlowModel:
-    from diffusers import SD3Transformer2DModel
+    import diffusers
     from transformers import CLIPTextModelWithProjection, PreTrainedTokenizerFast
 
     index = json.load(open(os.path.join(path, "model_index.json")))
-    transformer = SD3Transformer2DModel.from_pretrained(os.path.join(path, "transformer"), dtype=dtype)
+    cls = index.get("transformer_class", "SD3Transformer2DModel")
+    if cls not in ("SD3Transformer2DModel", "WanTransformer3DModel"):
+        raise ValueError(f"{path}: unsupported transformer_class {cls!r} (SD3Transformer2DModel, WanTransformer3DModel)")
+    transformer = getattr(diffusers, cls).from_pretrained(os.path.join(path, "transformer"), dtype=dtype)
     text_encoder = CLIPTextModelWithProjection.from_pretrained(os.path.join(path, "text_encoder"))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(path, "tokenizer"))
     size, ch = index["sample_size"], index["channels"]
-    return FlowModel(transformer, make_clip_encoder(tokenizer, text_encoder), lambda x: x.clamp(-1, 1),
-                     (ch, size, size), (text_encoder,), prediction=index.get("prediction", "velocity"))
+    video = cls == "WanTransformer3DModel"
+    shape = (ch, index["frames"], size, size) if video else (ch, size, size)
+    return FlowModel(transformer, make_clip_encoder(tokenizer, text_encoder), lambda x: x.clamp(-1, 1), shape,
+                     (text_encoder,), prediction=index.get("prediction", "velocity"),
+                     call=wan_call if video else sd3_call, lora_targets=WAN_LORA_TARGETS if video else SD3_LORA_TARGETS)
 
 
 def make_clip_encoder(tokenizer, text_encoder) -> EncodeFn:
@@ -141,7 +148,7 @@ def load_flow_model(path: str, dtype: torch.dtype = torch.float32, device: str =
     if not os.path.isfile(index_file):
         raise FileNotFoundError(f"{path!r} has no model_index.json: point model.path at a diffusers "
                                 f"pipeline folder ({', '.join(PIPELINES)}) or an mmrl pixel-model folder "
-                                f"(scripts/pretrain_shapes.py writes one)")
+                                f"(scripts/pretrain_world.py writes one)")
     cls = json.load(open(index_file)).get("_class_name")
     if cls == PIPELINE_CLASS:
         model = _pixel_model(path, dtype)

@@ -28,18 +28,49 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mmrl.checkpoint import atomic_dir
+from mmrl.models.pipelines import sd3_call, wan_call
 from mmrl.models.pixel_t2i import build_pipeline_parts, save_pipeline_parts
 from mmrl.policy.flow_model import FlowModel, make_clip_encoder, velocity_from_prediction
-from tasks import shapes as S
-from tasks.shapes_eval import evaluate
+
+
+class World:
+    """What pretraining needs from an embedded world: its texts, training batches and the held-out benchmark."""
+
+    def __init__(self, name: str, size: int):
+        from tasks import motion, shapes
+
+        self.name, self.size = name, size
+        self.mod = shapes if name == "shapes" else motion
+        self.frames = 0 if name == "shapes" else motion.FRAMES
+        train = self.mod.prompts("train")
+        groups = {}
+        for p in train:  # shapes: categories drawn equally; motion: directions
+            groups.setdefault(getattr(p.spec, "category", getattr(p.spec, "direction", "")), []).append(p)
+        self.groups = [groups[k] for k in sorted(groups)]
+
+    def batch(self, n: int, rng: random.Random):
+        ps = [rng.choice(rng.choice(self.groups)) for _ in range(n)]
+        if self.frames:
+            x0 = torch.stack([self.mod.render(p.spec, self.frames, self.size, rng) for p in ps])
+        else:
+            x0 = torch.stack([self.mod.to_tensor(self.mod.render(p.spec, self.size, rng)) for p in ps])
+        return [p.text for p in ps], x0
+
+    def evaluate(self, model: FlowModel, n: int) -> dict:
+        if self.frames:
+            return self.mod.evaluate(model, self.mod.balanced_prompts("heldout", n, seed=1234), seed=0, progress=False)
+        from tasks.shapes_eval import evaluate
+
+        return evaluate(model, self.mod.balanced_prompts("heldout", n, seed=1234), seed=0, progress=False)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", default="shapes", choices=["shapes", "motion"])
     p.add_argument("--out", default="tasks/assets/shapes-base")
     p.add_argument("--minutes", type=float, default=90.0, help="wall-clock training budget")
     p.add_argument("--size", default="small", choices=["small", "tiny"])
-    p.add_argument("--image-size", type=int, default=36)
+    p.add_argument("--image-size", type=int, default=None, help="frame size (default: shapes 36, motion 16)")
     p.add_argument("--patch", type=int, default=4, help="transformer patch size (pixels per token side)")
     p.add_argument("--prediction", default="velocity", choices=["velocity", "sample"],
                    help="what the transformer outputs (the loss is on the velocity either way)")
@@ -64,8 +95,10 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    words = sorted({w for p in S.all_prompts() for w in p.text.split()})
-    parts = build_pipeline_parts(words, args.size, args.image_size, patch_size=args.patch)
+    world = World(args.world, args.image_size or (36 if args.world == "shapes" else 16))
+    words = sorted({w for p in world.mod.all_prompts() for w in p.text.split()})
+    parts = build_pipeline_parts(words, args.size, world.size, patch_size=args.patch, frames=world.frames)
+    call = wan_call if world.frames else sd3_call
     te, tr = parts["text_encoder"].to(device), parts["transformer"].to(device)
     params = list(tr.parameters()) + list(te.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -93,23 +126,21 @@ def main(argv=None):
                 mod.load_state_dict(src.state_dict())
                 ema.load_state_dict(src.state_dict())
         print(f"initialized from {args.init}")
-    train = {c: [p for p in S.prompts("train") if p.spec.category == c] for c in S.CATEGORIES}
     encode = make_clip_encoder(parts["tokenizer"], te)
     t0, last_eval = time.time() - elapsed, time.time()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     log = open(args.out.rstrip("/") + ".log.jsonl", "a")
     try:
         while True:
-            ps = [rng.choice(train[rng.choice(S.CATEGORIES)]) for _ in range(args.batch)]
-            x0 = torch.stack([S.to_tensor(S.render(p.spec, args.image_size, rng)) for p in ps]).to(device)
-            texts = ["" if rng.random() < args.cond_drop else p.text for p in ps]
+            texts, x0 = world.batch(args.batch, rng)
+            x0 = x0.to(device)
+            texts = ["" if rng.random() < args.cond_drop else t for t in texts]
             enc, pooled = encode(texts)
             sigma = torch.sigmoid(torch.randn(args.batch, device=device))  # logit-normal (SD3)
             eps = torch.randn_like(x0)
-            s4 = sigma.view(-1, 1, 1, 1)
+            s4 = sigma.view(-1, *[1] * (x0.dim() - 1))
             xt = (1 - s4) * x0 + s4 * eps
-            out = tr(hidden_states=xt, encoder_hidden_states=enc, pooled_projections=pooled, timestep=sigma * 1000,
-                     return_dict=False)[0]
+            out = call(tr, xt, sigma, enc, pooled)
             loss = torch.nn.functional.mse_loss(velocity_from_prediction(out, xt, sigma, args.prediction), eps - x0)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -128,9 +159,10 @@ def main(argv=None):
                 print(f"step {step} loss {loss.item():.4f} {(time.time() - t0) / 60:.1f} min", flush=True)
             if done or time.time() - last_eval >= args.eval_every * 60:
                 save(args, parts, ema_tr, ema_te, params, ema_params, opt, step, time.time() - t0, rng, state_path)
+                shape = (3, world.frames, world.size, world.size) if world.frames else (3, world.size, world.size)
                 model = FlowModel(ema_tr, make_clip_encoder(parts["tokenizer"], ema_te), lambda x: x.clamp(-1, 1),
-                                  (3, args.image_size, args.image_size), (ema_te,), prediction=args.prediction)
-                res = evaluate(model, S.balanced_prompts("heldout", args.eval_n, seed=1234), seed=0, progress=False)
+                                  shape, (ema_te,), prediction=args.prediction, call=call)
+                res = world.evaluate(model, args.eval_n)
                 rec = {"step": step, "minutes": round((time.time() - t0) / 60, 2), "loss": loss.item(), **res}
                 print(json.dumps(rec), flush=True)
                 log.write(json.dumps(rec) + "\n")
