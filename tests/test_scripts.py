@@ -17,7 +17,7 @@ def run(*args):
 
 @pytest.mark.parametrize("script", ["scripts/bench_shapes.py", "scripts/pretrain_world.py", "scripts/bench_grounding.py",
                                     "scripts/sft_grounding.py", "scripts/bench_vlm_step.py", "scripts/bench_prefix.py",
-                                    "scripts/export_smollm2.py"])
+                                    "scripts/export_smollm2.py", "scripts/bench_rollout.py", "scripts/bench_motion.py"])
 def test_help(script):
     r = run(script, "--help")
     assert r.returncode == 0 and "usage" in r.stdout
@@ -42,6 +42,29 @@ def test_pretrain_tiny_writes_loadable_model(tmp_path):
     model = load_flow_model(out)
     assert model.generate(["a red circle"], [0], num_steps=2).shape == (1, 3, 36, 36)  # the default world size
     assert os.path.isfile(out + ".train_state.pt")
+
+
+def test_pretrain_motion_and_bench_motion(tmp_path):
+    """The video world end to end in miniature: pretrain a tiny Wan clip model, benchmark it."""
+    out = str(tmp_path / "motion")
+    r = run("scripts/pretrain_world.py", "--world", "motion", "--size", "tiny", "--minutes", "0.03", "--batch", "4",
+            "--eval-n", "4", "--out", out, "--threads", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run("scripts/bench_motion.py", out, "--quick", "--steps", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])["results"][out]
+    assert res["n"] == 32 and set(res["per_category"]) == {"left", "right", "up", "down"} and 0 <= res["correct"] <= 1
+
+
+def test_bench_rollout_quick():
+    """Chain vs BranchGRPO variants on the shapes SD3 transformer: tree rollouts cost fewer transformer rows."""
+    r = run("scripts/bench_rollout.py", "--quick", "--threads", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])["results"]
+    assert set(res) == {"chain", "branch", "branch_pruned", "branch_mix"}
+    # 8 steps, splits 0-3: 1 + 2 + 4 + 8 + 16 * 4 = 79 rows per tree against 16 * 8 for the chain
+    assert res["chain"]["sample_rows"] == 128 and res["branch"]["sample_rows"] == 79
+    assert res["branch_pruned"]["train_rows"] < res["branch"]["train_rows"] < res["chain"]["train_rows"]
 
 
 def test_bench_prefix_quick():
