@@ -78,12 +78,15 @@ def test_minibatch_split_gives_the_full_batch_gradient(tiny_pixel_model, tmp_pat
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
 
 
-@pytest.mark.parametrize("config", ["configs/t2i/shapes_grpo.yaml", "configs/t2i/shapes_tempflow_guard.yaml"])
+@pytest.mark.parametrize("config", ["shapes_grpo", "shapes_tempflow_guard", "shapes_branchgrpo",
+                                    "shapes_branchgrpo_pruned", "shapes_overopt", "shapes_overopt_guard"])
 def test_shapes_configs_smoke(config, tiny_pixel_model, tmp_path):
-    """Every shapes config (including the TempFlow + Guard composition) runs 2 iterations as written, on a
-    tiny model with small batches."""
-    cfg = load_config(config, [f"model.path={tiny_pixel_model}", f"log.out_dir={tmp_path}", "log.tensorboard=false",
-                               "log.progress=false", "train.iterations=2", "train.time_budget_min=0",
-                               "train.prompts_per_iter=2", "train.group_size=3", "task.eval_prompts=6"])
+    """Every shapes config (the TempFlow + Guard composition, BranchGRPO trees, the proxy-reward runs) runs 2
+    iterations as written, on a tiny model with small batches (trees keep their 8 leaves)."""
+    tree = "branchgrpo" in config
+    cfg = load_config(f"configs/t2i/{config}.yaml", [
+        f"model.path={tiny_pixel_model}", f"log.out_dir={tmp_path}", "log.tensorboard=false", "log.progress=false",
+        "train.iterations=2", "train.time_budget_min=0", "train.prompts_per_iter=2", "task.eval_prompts=6",
+        f"train.group_size={8 if tree else 3}"])
     res = Trainer(cfg).fit()
     assert res["iterations"] == 2 and 0.0 <= res["eval_end"]["overall"] <= 1.0
