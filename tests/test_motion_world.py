@@ -70,12 +70,14 @@ def test_video_policy_contract(tiny_motion_model):
     assert MotionReward()(ro.outputs, ex * 3)["overall"].shape == (6,)
 
 
-def test_motion_config_smoke_with_video_strips(tiny_motion_model, tmp_path):
+@pytest.mark.parametrize("config", ["motion_grpo", "motion_branchgrpo"])
+def test_motion_config_smoke_with_video_strips(config, tiny_motion_model, tmp_path):
     from mmrl.trainer import Trainer
 
-    cfg = load_config("configs/t2v/motion_grpo.yaml", [
+    group = 8 if "branch" in config else 3
+    cfg = load_config(f"configs/t2v/{config}.yaml", [
         f"model.path={tiny_motion_model}", f"log.out_dir={tmp_path}", "log.progress=false", "train.iterations=2",
-        "train.time_budget_min=0", "train.prompts_per_iter=2", "train.group_size=3", "task.eval_prompts=8",
+        "train.time_budget_min=0", "train.prompts_per_iter=2", f"train.group_size={group}", "task.eval_prompts=8",
         "log.image_every=1", "sampler.eval_steps=4"])
     res = Trainer(cfg).fit()
     assert res["iterations"] == 2 and 0.0 <= res["eval_end"]["correct"] <= 1.0
