@@ -89,3 +89,12 @@ def test_motion_config_smoke_with_video_strips(config, tiny_motion_model, tmp_pa
     assert "samples" in acc.Tags()["images"]
     img = acc.Images("samples")[0]
     assert img.width > img.height  # one strip of frames per video row
+
+
+def test_committed_motion_base_loads_and_generates():
+    from mmrl.policy.flow_model import load_flow_model
+
+    model = load_flow_model("tasks/assets/motion-base")
+    assert model.latent_shape == (3, M.FRAMES, M.SIZE, M.SIZE)
+    clips = model.generate(["a red circle moving left"], [0], num_steps=2, cfg_scale=1.0)
+    assert clips.shape == (1, 3, M.FRAMES, M.SIZE, M.SIZE) and torch.isfinite(clips).all()
