@@ -88,7 +88,8 @@ def test_motion_config_smoke_with_video_strips(config, tiny_motion_model, tmp_pa
     acc.Reload()
     assert "samples" in acc.Tags()["images"]
     img = acc.Images("samples")[0]
-    assert img.width > img.height  # one strip of frames per video row
+    k = min(2 * group, 32)
+    assert (img.width, img.height) == (2 + M.FRAMES * 16, 1 + k * 17)  # one strip of 8 frames per video row
 
 
 def test_committed_motion_base_loads_and_generates():

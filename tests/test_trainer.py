@@ -89,4 +89,4 @@ def test_shapes_configs_smoke(config, tiny_pixel_model, tmp_path):
         "train.iterations=2", "train.time_budget_min=0", "train.prompts_per_iter=2", "task.eval_prompts=6",
         f"train.group_size={8 if tree else 3}"])
     res = Trainer(cfg).fit()
-    assert res["iterations"] == 2 and 0.0 <= res["eval_end"]["overall"] <= 1.0
+    assert res["iterations"] == 2 and 0.0 <= res["eval_end"]["strict"] <= 1.0  # overall: a proxy may exceed 1
