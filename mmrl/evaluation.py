@@ -36,3 +36,37 @@ def evaluate_outputs(generate: Callable[[list[dict], int], object], examples: li
     out = means(sums.pop("all")) if "all" in sums else {"n": 0}
     out["per_category"] = {c: means(d) for c, d in sums.items()}
     return out
+
+
+def flow_bench_main(argv, doc: str, default_n: int, quick_n: int, balanced_prompts: Callable, evaluate: Callable,
+                    describe: Callable[[dict], str]) -> None:
+    """The command line of an embedded flow world's benchmark script (scripts/bench_shapes.py, bench_motion.py):
+    every checkpoint scored on `balanced_prompts("heldout", n, seed=1234)` by `evaluate(model, prompts, seed=,
+    num_steps=, cfg_scale=)`, one `describe(result)` line each, then one JSON object on the last line."""
+    import argparse
+    import json
+    import time
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoints", nargs="+", help="policy checkpoint folders (…/policy) or model folders")
+    p.add_argument("--n", type=int, default=default_n, help=f"held-out prompts (default {default_n})")
+    p.add_argument("--quick", action="store_true", help=f"{quick_n} prompts")
+    p.add_argument("--steps", type=int, default=16, help="ODE steps (benchmark protocol: 16)")
+    p.add_argument("--cfg", type=float, default=1.0, help="CFG scale (benchmark protocol: 1.0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from mmrl.policy.flow import load_policy_checkpoint
+
+    n = quick_n if args.quick else args.n
+    prompts = balanced_prompts("heldout", n, seed=1234)
+    results = {}
+    for ck in args.checkpoints:
+        t0 = time.time()
+        res = evaluate(load_policy_checkpoint(ck), prompts, seed=args.seed, num_steps=args.steps, cfg_scale=args.cfg)
+        res["seconds"] = round(time.time() - t0, 1)
+        results[ck] = res
+        print(f"{ck}: {describe(res)}", flush=True)
+    print(json.dumps({"n_prompts": n, "distinct_texts": len({p.text for p in prompts}), "results": results}))

@@ -8,44 +8,24 @@ The prompts are `tasks.shapes.balanced_prompts("heldout", n, seed=1234)`: texts 
 categories equally represented.
 """
 
-import argparse
-import json
 import os
 import sys
-import time
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mmrl.evaluation import flow_bench_main  # noqa: E402
+
+
+def describe(res: dict) -> str:
+    cats = " ".join(f"{c}={d['strict']:.3f}" for c, d in res["per_category"].items())
+    return f"strict {res['strict']:.4f} partial {res['partial']:.4f} (n={res['n']}) | {cats}"
+
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoints", nargs="+", help="policy checkpoint folders (…/policy) or model folders")
-    p.add_argument("--n", type=int, default=504, help="held-out prompts (default 504 = 84 per category)")
-    p.add_argument("--quick", action="store_true", help="60 prompts")
-    p.add_argument("--steps", type=int, default=16, help="ODE steps (benchmark protocol: 16)")
-    p.add_argument("--cfg", type=float, default=1.0, help="CFG scale (benchmark protocol: 1.0)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0)
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from mmrl.policy.flow import load_policy_checkpoint
     from tasks import shapes
     from tasks.shapes_eval import evaluate
 
-    n = 60 if args.quick else args.n
-    prompts = shapes.balanced_prompts("heldout", n, seed=1234)
-    results = {}
-    for ck in args.checkpoints:
-        t0 = time.time()
-        res = evaluate(load_policy_checkpoint(ck), prompts, seed=args.seed, num_steps=args.steps, cfg_scale=args.cfg)
-        res["seconds"] = round(time.time() - t0, 1)
-        results[ck] = res
-        cats = " ".join(f"{c}={d['strict']:.3f}" for c, d in res["per_category"].items())
-        print(f"{ck}: strict {res['strict']:.4f} partial {res['partial']:.4f} (n={res['n']}) | {cats}")
-    print(json.dumps({"n_prompts": n, "distinct_texts": len({p.text for p in prompts}), "results": results}))
+    flow_bench_main(argv, __doc__, 504, 60, shapes.balanced_prompts, evaluate, describe)
 
 
 if __name__ == "__main__":

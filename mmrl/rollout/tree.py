@@ -30,19 +30,16 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from mmrl.sampling.flow_sde import _bcast, gaussian_log_prob, step_mean_std
+from mmrl.sampling.flow_sde import Trajectory, step
 
 
 @dataclass
-class Tree:
-    """B trees, leaf-major: rows t * L .. t * L + L - 1 are the leaves of tree t. S steps, *D latent dims."""
+class Tree(Trajectory):
+    """B trees, leaf-major: rows t * L .. t * L + L - 1 are the leaves of tree t. The Trajectory fields hold
+    each leaf's path (shared prefixes repeated; std scaled on split steps); S steps."""
 
-    latents: torch.Tensor    # [N, S + 1, *D]  x_0 .. x_S along each leaf's path (shared prefixes repeated)
-    mean: torch.Tensor       # [N, S, *D]      mean each transition was drawn around
-    std: torch.Tensor        # [N, S]          its std (scaled on split steps; 0 on ODE steps)
-    log_prob: torch.Tensor   # [N, S]          log-prob of each transition (0 on ODE steps)
     node: torch.Tensor       # [N, S] long     global id of the node owning step i of the leaf's path
-    depth: torch.Tensor      # [S] long        splits done at or before step i (0 = root segment)
+    depth: torch.Tensor      # [S] long        splits done at or before step i (0 = the root segment)
     calls: int               # transformer rows evaluated (one per node and step, x2 with CFG inside velocity)
 
 
@@ -74,27 +71,20 @@ def run_tree(velocity, x: torch.Tensor, sigmas: torch.Tensor, kinds: list[str], 
         sig, sig_next = sigmas[i].expand(m).to(x.device), sigmas[i + 1].expand(m).to(x.device)
         v = velocity(x, sig, tree)
         calls += m
-        mean, std = step_mean_std(kind, x, v, sig, sig_next, noise_level, sigma_max)   # [M, *D], [M]
         k = branch if is_split[i] else 1
         parent = torch.arange(m).repeat_interleave(k)                                  # [M * k]
-        mean, std, tree = mean[parent], std[parent], tree[parent]
+        out = step(kind, x[parent], v[parent], sig[parent], sig_next[parent], noise_level, sigma_max, generator,
+                   reduce, split_noise_scale if is_split[i] else 1.0)                 # children share v
+        tree = tree[parent]
         if is_split[i]:
-            std = std * split_noise_scale
             node = torch.arange(next_id, next_id + m * k)
             next_id, depth = next_id + m * k, depth + 1
         else:
             node = node[parent]
-        if kind == "ode" or bool((std == 0).all()):
-            nxt, lp = mean, torch.zeros(len(parent))
-        else:
-            noise = torch.randn(mean.shape, generator=generator,
-                                device="cpu" if generator is None else generator.device).to(mean)
-            nxt = mean + _bcast(std, mean) * noise
-            lp = gaussian_log_prob(nxt, mean, std, reduce)
-        x = nxt
+        x = out.next
         states.append(x)
         parents.append(parent)
-        outs.append((mean, std, lp, node.clone(), depth))
+        outs.append((out.mean, torch.as_tensor(out.std).expand(len(parent)), out.log_prob, node, depth))
     # index of each leaf's path after step i, walking back from the leaves
     s, n = len(kinds), x.shape[0]
     after = [None] * s
@@ -168,9 +158,9 @@ def tree_advantages(rewards: torch.Tensor, rollout, valid: torch.Tensor, cfg, es
     for d in range(1, d_max + 1):
         cols = depth[0] == d
         col_adv[:, cols] = node_adv[inv[:, d - 1]].unsqueeze(-1)
-    mask = _first_valid_owner(node, valid) & (depth > 0)
-    mask &= ~_pruned(step, col_adv, valid, cfg, iteration)
-    stats.update({"tree/nodes": float(k), "tree/transitions": float(_first_valid_owner(node, valid).sum()),
+    owned = _first_valid_owner(node, valid) & (depth > 0)
+    mask = owned & ~_pruned(step, col_adv, valid, cfg, iteration)
+    stats.update({"tree/nodes": float(k), "tree/transitions": float(owned.sum()),
                   "tree/trained_transitions": float(mask.sum())})
     rollout.action_mask = mask
     return col_adv, stats

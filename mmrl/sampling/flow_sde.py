@@ -91,9 +91,11 @@ def step_mean_std(kind: str, x: torch.Tensor, v: torch.Tensor, sigma: torch.Tens
 
 def step(kind: str, x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
          noise_level: float, sigma_max: float, generator: torch.Generator | None = None,
-         reduce: str = "mean") -> StepOut:
-    """Sample one step and return it with its log-prob. Shapes as in the module docstring."""
+         reduce: str = "mean", std_scale: float = 1.0) -> StepOut:
+    """Sample one step and return it with its log-prob. Shapes as in the module docstring. std_scale widens the
+    noise (BranchGRPO's split noise); the returned std and log-prob are those of the density actually sampled."""
     mean, std = step_mean_std(kind, x, v, sigma, sigma_next, noise_level, sigma_max)
+    std = std * std_scale
     if bool((std == 0).all()):
         return StepOut(mean, mean, std, torch.zeros_like(std))
     noise = torch.randn(mean.shape, generator=generator, device="cpu" if generator is None else generator.device,
