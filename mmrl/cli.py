@@ -1,4 +1,5 @@
-"""`mmrl train CONFIG [--resume] [key=value ...]` and `mmrl eval CHECKPOINT [--n N]`."""
+"""`mmrl train CONFIG [--resume] [key=value ...]`, `mmrl eval CHECKPOINT [--n N]` and
+`mmrl serve-reward NAME [--kwargs JSON] [--port P]` (mmrl/reward_server.py)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,25 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("checkpoint")
     ev.add_argument("--n", type=int, default=504)
     ev.add_argument("--seed", type=int, default=0)
+    sv = sub.add_parser("serve-reward", help="serve a registered reward over HTTP (reward.name=remote calls it)")
+    sv.add_argument("name", help="reward registry key, e.g. shapes, clip_score, pickscore")
+    sv.add_argument("--kwargs", default="{}", help="JSON keyword arguments of the reward")
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    sv.add_argument("--port", type=int, default=8765)
+    sv.add_argument("--max-batch", type=int, default=256, help="samples scored in one reward call at most")
+    sv.add_argument("--max-wait-ms", type=float, default=10.0, help="how long a batch waits for more requests")
+    sv.add_argument("--queue", type=int, default=64, help="queued requests before answering 503 (backpressure)")
+    sv.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a queued request gets 504")
     args, extra = p.parse_known_args(argv)  # `--resume` may come before or after the overrides
     if extra and (args.cmd != "train" or any(x.startswith("-") or "=" not in x for x in extra)):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides += extra
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cmd == "serve-reward":
+        from mmrl.reward_server import serve_main
+
+        return serve_main(args)
     if args.cmd == "train":
         from mmrl.config import load_config
         from mmrl.trainer import train

@@ -106,6 +106,10 @@ class RewardConfig:
     name: str = "shapes"          # reward registry key (mmrl.reward.REWARDS)
     kwargs: dict = field(default_factory=dict)
     on_error: str = "skip"        # skip: a sample whose reward raises / is NaN is counted and excluded | raise
+    eval_name: str = ""           # reward for held-out evaluation; "" = the training reward (a pairwise training
+    eval_kwargs: dict = field(default_factory=dict)  # reward has no per-sample score: name the gold one here)
+    workers: int = 0              # > 0: score rollout chunks in a thread pool while the next chunk samples
+    overlap_chunks: int = 2       # chunks the prompts of one iteration are sampled in when workers > 0
 
 
 @dataclass
@@ -123,6 +127,7 @@ class AlgoConfig:
     weighting: str = "none"       # WEIGHTINGS key, or keys joined by "+" whose weights multiply (tempflow+guard_dt)
     ratio: str = "none"           # RATIO_TRANSFORMS key: none | gspo (sequence-level ratio)
     reward_shaping: str = "none"  # REWARD_SHAPINGS key applied before advantages: none | tempsamp
+    reward_aggregation: str = "sum"  # REWARD_AGGREGATIONS key for several rewards (reward.name=multi): sum | gdpo
     shaping_tau: float = 0.8      # TempSamp-R1 soft shaping
     shaping_alpha: float = 1.0
     offpolicy: str = "none"       # OFFPOLICY key: none | ground_truth (TempSamp-R1 injection, one row per group)
@@ -174,7 +179,7 @@ class Config:
     def validate(self) -> "Config":
         """Check values and registry keys; raise ValueError naming the key and the fix."""
         from mmrl.algorithms import (ADVANTAGES, KL_ESTIMATORS, LOSS_AGG, OFFPOLICY, POLICY_LOSSES, RATIO_TRANSFORMS,
-                                     REWARD_SHAPINGS, WEIGHTINGS)
+                                     REWARD_AGGREGATIONS, REWARD_SHAPINGS, WEIGHTINGS)
         from mmrl.policy import POLICIES
         from mmrl.reward import REWARDS
         from mmrl.task import TASKS
@@ -190,6 +195,23 @@ class Config:
             WEIGHTINGS.check(name, "algo.weighting")
         RATIO_TRANSFORMS.check(self.algo.ratio, "algo.ratio")
         REWARD_SHAPINGS.check(self.algo.reward_shaping, "algo.reward_shaping")
+        REWARD_AGGREGATIONS.check(self.algo.reward_aggregation, "algo.reward_aggregation")
+        if self.reward.eval_name:
+            REWARDS.check(self.reward.eval_name, "reward.eval_name")
+        elif self.reward.name == "pairwise":
+            raise ValueError("reward.name=pairwise scores samples only against their group: set reward.eval_name "
+                             "(e.g. shapes) for the held-out evaluation")
+        if self.algo.reward_aggregation == "gdpo":
+            if self.reward.name != "multi":
+                raise ValueError("algo.reward_aggregation=gdpo normalizes each of several rewards: set reward.name=multi "
+                                 "with reward.kwargs.components, or algo.reward_aggregation=sum")
+            if self.algo.reward_shaping != "none" or self.tree.split_steps:
+                raise ValueError("algo.reward_aggregation=gdpo does not combine with algo.reward_shaping or tree "
+                                 "rollouts: use algo.reward_aggregation=sum")
+        if self.reward.workers < 0 or self.reward.overlap_chunks < 1:
+            raise ValueError("reward.workers must be >= 0 and reward.overlap_chunks >= 1")
+        if self.reward.workers and self.tree.split_steps:
+            raise ValueError("tree rollouts sample each prompt's tree in one pass: set reward.workers=0")
         OFFPOLICY.check(self.algo.offpolicy, "algo.offpolicy")
         _choice("video.backend", self.video.backend, ("decord", "torchcodec"))
         _choice("video.on_error", self.video.on_error, ("raise", "skip"))

@@ -2,6 +2,9 @@
 
 A reward is a callable `(outputs, examples) -> dict[str, Tensor[N]]` with an "overall" key; other keys are
 components, logged as `reward/<key>`. Registry: REWARDS maps a name to a factory `(**kwargs) -> reward`.
+A reward with `needs_groups = True` (pairwise win rates, mmrl/rollout/pairwise.py) is called with the rollout's
+`group_id` as a third argument. MultiReward sums several rewards with weights; the trainer's
+`algo.reward_aggregation` decides whether advantages come from that sum or per component (GDPO).
 """
 
 from __future__ import annotations
@@ -49,6 +52,107 @@ def _arithmetic(**kwargs):
     return ArithmeticReward(**kwargs)
 
 
+@REWARDS.register("clip_score")
+def _clip_score(**kwargs):
+    from rewards.clip_models import CLIPScore
+
+    return CLIPScore(**kwargs)
+
+
+@REWARDS.register("pickscore")
+def _pickscore(**kwargs):
+    from rewards.clip_models import PickScore
+
+    return PickScore(**kwargs)
+
+
+@REWARDS.register("hpsv2")
+def _hpsv2(**kwargs):
+    from rewards.clip_models import HPSv2
+
+    return HPSv2(**kwargs)
+
+
+@REWARDS.register("aesthetic")
+def _aesthetic(**kwargs):
+    from rewards.clip_models import Aesthetic
+
+    return Aesthetic(**kwargs)
+
+
+@REWARDS.register("ocr")
+def _ocr(**kwargs):
+    from rewards.ocr import OCRReward
+
+    return OCRReward(**kwargs)
+
+
+@REWARDS.register("video_frames")
+def _video_frames(**kwargs):
+    from rewards.video import FrameReward
+
+    return FrameReward(**kwargs)
+
+
+@REWARDS.register("temporal_consistency")
+def _temporal(**kwargs):
+    from rewards.video import TemporalConsistency
+
+    return TemporalConsistency(**kwargs)
+
+
+@REWARDS.register("pairwise")
+def _pairwise(judge: str = "score", judge_kwargs: dict | None = None, batch_size: int = 64, symmetric: bool = False):
+    from mmrl.rollout.pairwise import JUDGES, PairwiseReward
+
+    return PairwiseReward(JUDGES[judge](**(judge_kwargs or {})), batch_size, symmetric)
+
+
+@REWARDS.register("multi")
+def _multi(components: dict | None = None):
+    return MultiReward(components or {})
+
+
+@REWARDS.register("remote")
+def _remote(**kwargs):
+    from mmrl.reward_server import RemoteReward
+
+    return RemoteReward(**kwargs)
+
+
+class MultiReward:
+    """Several rewards at once: components = {label: {"name": REWARDS key (default: label), "weight": w,
+    "kwargs": {...}}}. Returns "overall" = sum_k w_k * r_k, each component's overall as "<label>" and its own
+    components as "<label>/<key>". `weights` ({label: w}) is what GDPO aggregation (algo.reward_aggregation)
+    reads. A component that needs groups makes the whole reward need them."""
+
+    def __init__(self, components: dict):
+        if not components:
+            raise ValueError("reward.name=multi needs reward.kwargs.components: {label: {name:, weight:, kwargs:}}")
+        self.rewards, self.weights = {}, {}
+        for label, spec in components.items():
+            spec = dict(spec or {})
+            unknown = set(spec) - {"name", "weight", "kwargs"}
+            if unknown:
+                raise ValueError(f"reward.kwargs.components.{label}: unknown keys {sorted(unknown)}; "
+                                 f"valid: name, weight, kwargs")
+            if "/" in label:
+                raise ValueError(f"reward component label {label!r} must not contain '/'")
+            self.rewards[label] = REWARDS[spec.get("name", label)](**spec.get("kwargs", {}))
+            self.weights[label] = float(spec.get("weight", 1.0))
+        self.needs_groups = any(getattr(r, "needs_groups", False) for r in self.rewards.values())
+
+    def __call__(self, outputs, examples, group_id=None) -> dict[str, torch.Tensor]:
+        out, total = {}, 0.0
+        for label, fn in self.rewards.items():
+            r = fn(outputs, examples, group_id) if getattr(fn, "needs_groups", False) else fn(outputs, examples)
+            r = RewardRunner._check(r, len(examples))
+            out[label] = r["overall"]
+            out.update({f"{label}/{k}": v for k, v in r.items() if k != "overall"})
+            total = total + self.weights[label] * r["overall"]
+        return {"overall": total, **out}
+
+
 def _rows(outputs, i: int):
     return outputs[i:i + 1]
 
@@ -63,16 +167,27 @@ class RewardRunner:
     def __init__(self, fn: Callable, on_error: str = "skip"):
         self.fn, self.on_error = fn, on_error
 
-    def __call__(self, outputs, examples: list[dict]) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
-        """-> (rewards {key: [N]} with invalid entries set to 0, valid [N] bool, number of failures)."""
+    def __call__(self, outputs, examples: list[dict], group_id: torch.Tensor | None = None
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
+        """-> (rewards {key: [N]} with invalid entries set to 0, valid [N] bool, number of failures).
+
+        A reward that needs groups (or a remote one, `per_sample_retry = False`) is never re-scored sample by
+        sample: if it raises, the whole batch is invalid and counted."""
         n = len(examples)
+        groups = getattr(self.fn, "needs_groups", False)
+        if groups and group_id is None:
+            raise ValueError("this reward compares the samples of a group (pairwise); it needs group_id")
         try:
-            out = self._check(self.fn(outputs, examples), n)
+            out = self._check(self.fn(outputs, examples, group_id) if groups else self.fn(outputs, examples), n)
         except Exception as e:  # noqa: BLE001 - isolate the failing samples below
             if self.on_error == "raise":
                 raise
-            log.warning("reward raised on the batch (%s: %s); scoring samples one by one", type(e).__name__, e)
-            out = self._per_sample(outputs, examples)
+            if groups or not getattr(self.fn, "per_sample_retry", True):
+                log.warning("reward raised on the batch (%s: %s); all %d samples are invalid", type(e).__name__, e, n)
+                out = {"overall": torch.full((n,), float("nan"))}
+            else:
+                log.warning("reward raised on the batch (%s: %s); scoring samples one by one", type(e).__name__, e)
+                out = self._per_sample(outputs, examples)
         valid = torch.isfinite(out["overall"])
         for k in out:
             valid &= torch.isfinite(out[k])

@@ -16,13 +16,14 @@ import logging
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm import tqdm
 
 from mmrl import checkpoint as ckpt
 from mmrl.algorithms import (ADVANTAGES, KL_ESTIMATORS, LOSS_AGG, OFFPOLICY, POLICY_LOSSES, RATIO_TRANSFORMS,
-                             REWARD_SHAPINGS, WEIGHTINGS)
+                             REWARD_AGGREGATIONS, REWARD_SHAPINGS, WEIGHTINGS)
 from mmrl.algorithms.advantages import group_stats
 from mmrl.algorithms.offpolicy import injection_diagnostics
 from mmrl.config import Config, to_dict
@@ -47,6 +48,9 @@ class Trainer:
         self.task = build_task(cfg.task)
         self.reward_fn = REWARDS[cfg.reward.name](**cfg.reward.kwargs)
         self.reward = RewardRunner(self.reward_fn, cfg.reward.on_error)
+        self.eval_reward = self.reward if not cfg.reward.eval_name else RewardRunner(
+            REWARDS[cfg.reward.eval_name](**cfg.reward.eval_kwargs), cfg.reward.on_error)
+        self.reward_pool = ThreadPoolExecutor(cfg.reward.workers, "reward") if cfg.reward.workers else None
         self.params = list(self.policy.trainable_parameters())
         if not self.params:
             raise ValueError("the policy has no trainable parameters (check model.lora settings)")
@@ -90,6 +94,8 @@ class Trainer:
         with open(os.path.join(cfg.log.out_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=2)
         self.logger.close()
+        if self.reward_pool is not None:
+            self.reward_pool.shutdown()
         return results
 
     def step(self, it: int) -> dict:
@@ -99,7 +105,9 @@ class Trainer:
         rollout, rewards, valid, metrics = self._collect(random.Random(seed), torch.Generator().manual_seed(seed))
         shaped = REWARD_SHAPINGS[a.reward_shaping](rewards["overall"], a)
         adv_fn = lambda r, g, v: ADVANTAGES[a.advantage](r, g, v, a)[0]  # noqa: E731
-        adv, adv_stats = ADVANTAGES[a.advantage](shaped, rollout.group_id, valid, a)
+        adv, adv_stats = REWARD_AGGREGATIONS[a.reward_aggregation]({**rewards, "overall": shaped},
+                                                                   getattr(self.reward_fn, "weights", None),
+                                                                   rollout.group_id, valid, a, ADVANTAGES[a.advantage])
         if "tree_node" in rollout.extras:  # BranchGRPO: per-transition advantages [N, A] and the trained mask
             adv, tree_stats = tree_advantages(shaped, rollout, valid, cfg, ADVANTAGES[a.advantage], it)
             adv_stats.update(tree_stats)
@@ -133,11 +141,7 @@ class Trainer:
             need = t.prompts_per_iter - sum(len(torch.unique(g[0].group_id)) for g in good)
             if need <= 0:
                 break
-            with self.timer("rollout"):
-                rollout = self.policy.sample(self.task.sample(need, rng), t.group_size, gen)
-                rollout, _ = OFFPOLICY[a.offpolicy](self.policy, rollout, self.task)
-            with self.timer("reward"):
-                rewards, valid, fails = self.reward(rollout.outputs, rollout.examples)
+            rollout, rewards, valid, fails = self._sample_and_score(self.task.sample(need, rng), gen)
             failures += fails
             if not a.dynamic_sampling:
                 return rollout, rewards, valid, {"reward/failed_samples": fails}
@@ -153,6 +157,34 @@ class Trainer:
         valid = torch.cat([p[2] for p in parts])
         return rollout, rewards, valid, {"reward/failed_samples": failures, "dynamic/rounds": r + 1,
                                          "dynamic/informative_groups": min(n_good, t.prompts_per_iter)}
+
+    def _sample_and_score(self, examples: list[dict], gen: torch.Generator):
+        """Sample a group per example and score it. With reward.workers > 0 the examples are sampled in
+        reward.overlap_chunks chunks, and each chunk is scored in the thread pool while the next one samples
+        (a remote reward then runs fully in parallel); the chunks are joined in order."""
+        t, a, r = self.cfg.train, self.cfg.algo, self.cfg.reward
+
+        def sample(chunk):
+            with self.timer("rollout"):
+                rollout = self.policy.sample(chunk, t.group_size, gen)
+                return OFFPOLICY[a.offpolicy](self.policy, rollout, self.task)[0]
+
+        if self.reward_pool is None:
+            rollout = sample(examples)
+            with self.timer("reward"):
+                return (rollout, *self.reward(rollout.outputs, rollout.examples, rollout.group_id))
+        k = min(r.overlap_chunks, len(examples))
+        bounds = [len(examples) * c // k for c in range(k + 1)]
+        parts = []
+        for c in range(k):
+            ro = sample(examples[bounds[c]:bounds[c + 1]])
+            parts.append((ro, self.reward_pool.submit(self.reward, ro.outputs, ro.examples, ro.group_id)))
+        with self.timer("reward_wait"):  # the reward time not hidden behind sampling
+            scored = [(ro, f.result()) for ro, f in parts]
+        rollout = Rollout.concat([ro for ro, _ in scored])
+        keys = set.intersection(*(set(s[0]) for _, s in scored))  # a per-sample retry may drop component keys
+        rewards = {key: torch.cat([s[0][key] for _, s in scored]) for key in sorted(keys)}
+        return rollout, rewards, torch.cat([s[1] for _, s in scored]), sum(s[2] for _, s in scored)
 
     def optimize(self, rollout: Rollout, adv: torch.Tensor) -> dict:
         cfg, t, a = self.cfg, self.cfg.train, self.cfg.algo
@@ -244,7 +276,7 @@ class Trainer:
         self._swap_ema()
         try:
             # through the runner: a sample whose reward fails scores 0 (and is logged) instead of ending the run
-            res = evaluate_outputs(self.policy.evaluate, self.task.eval_examples(), lambda o, e: self.reward(o, e)[0],
+            res = evaluate_outputs(self.policy.evaluate, self.task.eval_examples(), lambda o, e: self.eval_reward(o, e)[0],
                                    seed=10_000, progress=self.cfg.log.progress)
         finally:
             self._swap_ema()

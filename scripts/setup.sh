@@ -8,6 +8,6 @@ fi
 stamp=.venv/.mmrl-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[dev,video]"
+  .venv/bin/python -m pip install -q -e ".[dev,video,rewards]"
   touch "$stamp"
 fi

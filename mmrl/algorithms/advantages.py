@@ -52,3 +52,33 @@ def grpo(rewards, group_id, valid, cfg):
 def dr_grpo(rewards, group_id, valid, cfg):
     """Dr.GRPO (arXiv 2503.20783): A_i = r_i - mean_g, no std scaling."""
     return _normalized(rewards, group_id, valid, cfg, scale=False)
+
+
+# ------------------------------------------------------------------ several rewards (ALGORITHMS.md section 2)
+REWARD_AGGREGATIONS = Registry("reward aggregation")
+
+
+@REWARD_AGGREGATIONS.register("sum")
+def weighted_sum(rewards: dict, weights: dict | None, group_id, valid, cfg, estimator):
+    """Reward-level aggregation: the weighted sum rewards["overall"] goes through the estimator once."""
+    return estimator(rewards["overall"], group_id, valid, cfg)
+
+
+@REWARD_AGGREGATIONS.register("gdpo")
+def gdpo(rewards: dict, weights: dict | None, group_id, valid, cfg, estimator):
+    """GDPO decoupled normalization: each component r_k through the estimator within its groups (z-scores for
+    grpo), S = sum_k w_k * A_k, then S z-scored over the valid samples of the batch; |A| <= cfg.adv_clip."""
+    if not weights:
+        raise ValueError("algo.reward_aggregation=gdpo needs several weighted rewards: set reward.name=multi")
+    total = torch.zeros_like(rewards["overall"], dtype=torch.float64)
+    stats = {}
+    for k, w in weights.items():
+        a_k, s_k = estimator(rewards[k], group_id, valid, cfg)
+        total += w * a_k.double()
+        stats[f"adv/{k}/zero_std_group_frac"] = s_k["adv/zero_std_group_frac"]
+    v = total[valid]
+    mean, std = (v.mean(), v.std(unbiased=False)) if v.numel() else (0.0, 1.0)
+    adv = torch.where(valid, (total - mean) / (std + cfg.adv_eps), torch.zeros_like(total)).clamp(-cfg.adv_clip, cfg.adv_clip)
+    stats["adv/abs_mean"] = adv[valid].abs().mean().item() if valid.any() else 0.0
+    stats["adv/zero_std_group_frac"] = estimator(rewards["overall"], group_id, valid, cfg)[1]["adv/zero_std_group_frac"]
+    return adv.float(), stats
