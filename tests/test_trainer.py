@@ -90,3 +90,50 @@ def test_shapes_configs_smoke(config, tiny_pixel_model, tmp_path):
         f"train.group_size={8 if tree else 3}"])
     res = Trainer(cfg).fit()
     assert res["iterations"] == 2 and 0.0 <= res["eval_end"]["strict"] <= 1.0  # overall: a proxy may exceed 1
+
+
+# ------------------------------------------------------------------ several rewards, pairwise, remote, overlap
+def test_pairwise_multi_gdpo_remote_and_overlap_through_the_trainer(tiny_pixel_model, tmp_path):
+    from mmrl.reward_server import RewardServer
+
+    # Pref-GRPO: win rates from a score judge on the shapes reward; evaluated on the gold shapes reward
+    tr = Trainer(cfg_for(tiny_pixel_model, tmp_path, "reward.name=pairwise", "reward.eval_name=shapes",
+                         "train.iterations=1", "log.eval_at_start=false"))
+    m = tr.step(0)
+    assert 0 <= m["reward/overall_mean"] <= 1 and "reward/tie_rate_mean" in m
+    assert abs(m["reward/overall_mean"] - 0.5) < 1e-6  # win rates average 0.5 in every fully compared group
+    assert "strict" in tr.evaluate(1)
+    # GDPO over two components, each logged
+    multi = ('reward.kwargs={"components": {"shapes": {"weight": 1.0}, '
+             '"stable": {"name": "temporal_consistency", "weight": 0.1}}}')
+    with pytest.raises(ValueError, match="N, 3, F, H, W"):  # images are not videos: the component says so
+        Trainer(cfg_for(tiny_pixel_model, tmp_path, "reward.name=multi", multi, "reward.on_error=raise")).step(0)
+    multi = 'reward.kwargs={"components": {"shapes": {"weight": 1.0}, "sat": {"name": "shapes", "weight": 0.5, "kwargs": {"strict_weight": 0.0}}}}'
+    m = Trainer(cfg_for(tiny_pixel_model, tmp_path, "reward.name=multi", multi, "algo.reward_aggregation=gdpo",
+                        "train.iterations=1", "log.eval_at_start=false")).step(0)
+    assert {"reward/shapes_mean", "reward/sat_mean", "reward/shapes/strict_mean"} <= set(m)
+    # a remote reward scored in the thread pool while the next chunk samples
+    srv = RewardServer(REWARDS["shapes"]()).start()
+    try:
+        tr = Trainer(cfg_for(tiny_pixel_model, tmp_path, "reward.name=remote", f"reward.kwargs={{\"url\": \"{srv.url}\"}}",
+                             "reward.workers=1", "reward.overlap_chunks=2", "reward.eval_name=shapes",
+                             "train.iterations=1", "log.eval_at_start=false"))
+        ro, rewards, valid, fails = tr._sample_and_score([{"prompt": "a red circle"}, {"prompt": "two squares"}],
+                                                         torch.Generator().manual_seed(0))
+        assert fails == 0 and valid.all() and ro.group_id.tolist() == [0, 0, 0, 1, 1, 1]
+        assert torch.equal(rewards["overall"], REWARDS["shapes"]()(ro.outputs, ro.examples)["overall"])
+        m = tr.step(0)
+        assert "time/reward_wait" in m and srv.requests >= 2
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("items,match", [
+    (["reward.name=pairwise"], "reward.eval_name"),
+    (["algo.reward_aggregation=gdpo"], "reward.name=multi"),
+    (["algo.reward_aggregation=gpdo"], "Did you mean 'gdpo'"),
+    (["reward.workers=-1"], "reward.workers"),
+])
+def test_reward_config_errors_name_the_fix(tiny_pixel_model, tmp_path, items, match):
+    with pytest.raises(ValueError, match=match):
+        cfg_for(tiny_pixel_model, tmp_path, *items)
