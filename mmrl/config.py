@@ -343,7 +343,12 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 def _merge(base: dict, over: dict) -> dict:
+    """Deep merge; a section that names another registry entry (`name`, `eval_name`) drops the base's
+    `kwargs` / `eval_kwargs`, which belonged to the old entry."""
     out = dict(base)
+    for k in ("name", "eval_name"):
+        if k in over and over[k] != base.get(k):
+            out.pop(k.replace("name", "kwargs"), None)
     for k, v in over.items():
         out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out

@@ -80,6 +80,13 @@ def _aesthetic(**kwargs):
     return Aesthetic(**kwargs)
 
 
+@REWARDS.register("image_reward")
+def _image_reward(**kwargs):
+    from rewards.image_reward import ImageReward
+
+    return ImageReward(**kwargs)
+
+
 @REWARDS.register("ocr")
 def _ocr(**kwargs):
     from rewards.ocr import OCRReward

@@ -7,6 +7,8 @@
 | hpsv2       | open_clip ViT-H-14                      | `checkpoint`: HPS_v2(.1)_compressed.pt ("state_dict")   | cos, about 0.2..0.35 |
 | aesthetic   | open_clip ViT-L-14 image tower + MLP    | `clip_pretrained` + `mlp`: the LAION predictor (.pth)   | about 1..10 |
 
+(ImageReward, on BLIP, is in rewards/image_reward.py; OCR in rewards/ocr.py; video rewards in rewards/video.py.)
+
 Every reward loads its model on the first call, once; takes images [N, 3, H, W] in [-1, 1] (the generators'
 output range), preprocesses them in torch on the model's device (bicubic resize of the short side to the
 model's size, center crop, the model's mean / std: what the models' own PIL pipelines do, without the PIL round

@@ -193,3 +193,51 @@ def test_temporal_consistency(tiny_clip):
     torch.testing.assert_close(clip_tc(static, PROMPTS[:2])["overall"], torch.ones(2), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="N, 3, F, H, W"):
         tc(x, PROMPTS[:2])
+
+
+# ------------------------------------------------------------------------------------------- ImageReward
+def test_image_reward_loads_the_original_checkpoint_layout(tmp_path):
+    from transformers import BertTokenizer
+
+    from rewards.image_reward import MEAN, STD, ImageRewardModel
+
+    words = sorted({w for p in PROMPTS for w in p.split()})
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(tmp_path / "tok")
+    cfg = {"vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          image_size=32, patch_size=16, layer_norm_eps=1e-6),
+           "text": dict(vocab_size=5 + len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, encoder_hidden_size=32, max_position_embeddings=64)}
+    torch.manual_seed(0)
+    model = ImageRewardModel(cfg["vision"], cfg["text"]).eval()
+    # the released layout: BLIP's timm-style ViT names, BERT names under blip.text_encoder, unused BLIP heads
+    inverse = [("vision.embeddings.class_embedding", "blip.visual_encoder.cls_token"),
+               ("vision.embeddings.position_embedding", "blip.visual_encoder.pos_embed"),
+               ("vision.embeddings.patch_embedding.", "blip.visual_encoder.patch_embed.proj."),
+               ("vision.post_layernorm.", "blip.visual_encoder.norm."), ("vision.encoder.layers.", "blip.visual_encoder.blocks."),
+               (".layer_norm1.", ".norm1."), (".layer_norm2.", ".norm2."), (".self_attn.projection.", ".attn.proj."),
+               (".self_attn.qkv.", ".attn.qkv."), ("text.", "blip.text_encoder.")]
+    original = {}
+    for k, v in model.state_dict().items():
+        for a, b in inverse:
+            k = k.replace(a, b)
+        original[k] = v.clone()
+    original["blip.text_proj.weight"] = torch.zeros(4, 16)  # BLIP heads ImageReward does not use
+    torch.save(original, tmp_path / "ImageReward.pt")
+    rew = REWARDS["image_reward"](checkpoint=str(tmp_path / "ImageReward.pt"), tokenizer=str(tmp_path / "tok"), config=cfg)
+    imgs = images(seed=4)
+    got = rew(imgs, PROMPTS)["overall"]
+    from rewards.clip_models import clip_preprocess
+    from rewards.image_reward import CLIP_MEAN, CLIP_STD
+
+    tok = BertTokenizer.from_pretrained(tmp_path / "tok")(PROMPTS, padding="max_length", max_length=35, return_tensors="pt")
+    assert (tok.input_ids[:, 0] == 2).all()  # [CLS] leads, as in ImageReward's scoring
+    with torch.no_grad():
+        img = model.vision(pixel_values=clip_preprocess(imgs, 32, CLIP_MEAN, CLIP_STD)).last_hidden_state
+        cls = model.text(input_ids=tok.input_ids, attention_mask=tok.attention_mask, encoder_hidden_states=img).last_hidden_state[:, 0]
+        want = (model.mlp(cls) - MEAN) / STD
+    torch.testing.assert_close(got, want)
+    del original["blip.visual_encoder.norm.weight"]
+    torch.save(original, tmp_path / "broken.pt")
+    with pytest.raises(ValueError, match="not an ImageReward checkpoint"):
+        REWARDS["image_reward"](checkpoint=str(tmp_path / "broken.pt"), tokenizer=str(tmp_path / "tok"), config=cfg)(imgs, PROMPTS)

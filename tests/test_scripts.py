@@ -17,7 +17,8 @@ def run(*args):
 
 @pytest.mark.parametrize("script", ["scripts/bench_shapes.py", "scripts/pretrain_world.py", "scripts/bench_grounding.py",
                                     "scripts/sft_grounding.py", "scripts/bench_vlm_step.py", "scripts/bench_prefix.py",
-                                    "scripts/export_smollm2.py", "scripts/bench_rollout.py", "scripts/bench_motion.py"])
+                                    "scripts/export_smollm2.py", "scripts/bench_rollout.py", "scripts/bench_motion.py",
+                                    "scripts/bench_pairwise.py", "scripts/bench_reward_server.py"])
 def test_help(script):
     r = run(script, "--help")
     assert r.returncode == 0 and "usage" in r.stdout
@@ -74,3 +75,21 @@ def test_bench_prefix_quick():
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["group"] == 4 and res["naive_s"] > 0 and res["shared_s"] > 0
     assert res["max_abs_logprob_diff"] < 1e-5 and res["max_abs_grad_diff"] < 1e-5
+
+
+def test_bench_pairwise_quick(tiny_pixel_model):
+    r = run("scripts/bench_pairwise.py", "--quick", "--model", tiny_pixel_model, "--prompts", "4", "--group", "4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["judge_pairs"] == 8 * 6 and {"near_tie", "other"} <= set(res)
+
+
+def test_bench_reward_server_quick():
+    """Loopback load on a real server process, then the killed server fails within its bound."""
+    r = run("scripts/bench_reward_server.py", "--quick", "--clients", "2", "--batch", "4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["load"]["requests"] > 0 and res["load"]["client_errors"] == 0
+    assert res["load"]["server_requests"] == res["load"]["requests"]
+    k = res["killed_server"]
+    assert k["error"] and k["tries"] == 3 and k["seconds_to_error"] < k["bound_s"]
