@@ -150,6 +150,9 @@ class TrainConfig:
     seed: int = 0
     threads: int = 0              # torch CPU threads; 0 = leave torch's default
     time_budget_min: float = 0.0  # stop after this many minutes of training (0 = no limit)
+    parallel: str = "none"        # several processes (torchrun / accelerate launch): ddp | fsdp (FSDP2 fully_shard)
+    mixed_precision: str = "no"   # fsdp: bf16 parameters in forward/backward, fp32 gradient reduction | no
+    gradient_checkpointing: bool = False  # recompute activations in backward (the trained transformer / LM)
 
 
 @dataclass
@@ -220,6 +223,8 @@ class Config:
         _choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
         _choice("model.reference", self.model.reference, ("auto", "none"))
         _choice("reward.on_error", self.reward.on_error, ("skip", "raise"))
+        _choice("train.parallel", self.train.parallel, ("none", "ddp", "fsdp"))
+        _choice("train.mixed_precision", self.train.mixed_precision, ("no", "bf16"))
         t = self.train
         if t.group_size < 2:
             raise ValueError(f"train.group_size={t.group_size}: group-relative advantages need >= 2 samples per group")

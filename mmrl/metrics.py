@@ -18,7 +18,10 @@ def video_strips(videos: torch.Tensor, max_frames: int = 8) -> torch.Tensor:
 
 
 class Logger:
-    def __init__(self, out_dir: str, tensorboard: bool = True):
+    def __init__(self, out_dir: str, tensorboard: bool = True, enabled: bool = True):
+        self.jsonl = self.tb = None
+        if not enabled:  # ranks other than 0 of a multi-process run log nothing
+            return
         os.makedirs(out_dir, exist_ok=True)
         self.jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a")
         self.tb = None
@@ -28,6 +31,8 @@ class Logger:
             self.tb = SummaryWriter(os.path.join(out_dir, "tb"))
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.jsonl is None:
+            return
         values = {k: float(v) for k, v in values.items()}
         self.jsonl.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
         self.jsonl.flush()
@@ -58,7 +63,8 @@ class Logger:
         self.tb.add_text(tag, "\n".join(["| prompt | completion | reward |", "|---|---|---|"] + rows), step)
 
     def close(self) -> None:
-        self.jsonl.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
         if self.tb:
             self.tb.close()
 

@@ -28,6 +28,7 @@ from mmrl.algorithms.advantages import group_stats
 from mmrl.algorithms.offpolicy import injection_diagnostics
 from mmrl.config import Config, to_dict
 from mmrl.data import Rollout
+from mmrl.distributed import Distributed, full, unsharded
 from mmrl.evaluation import evaluate_outputs
 from mmrl.metrics import Logger, Timer
 from mmrl.policy import POLICIES
@@ -43,8 +44,14 @@ class Trainer:
         self.cfg = cfg
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        torch.manual_seed(cfg.train.seed)
+        self.dist = Distributed(cfg.train.parallel)
+        torch.manual_seed(cfg.train.seed)  # the same initial weights (and LoRA init) on every rank
         self.policy = POLICIES[cfg.model.policy](cfg)
+        if cfg.train.gradient_checkpointing:
+            self.policy.enable_gradient_checkpointing()
+        if self.dist.world > 1:
+            self._check_parallel_config()
+            self.policy.parallelize(lambda m: self.dist.wrap(m, cfg.train.mixed_precision), cfg.train.parallel)
         self.task = build_task(cfg.task)
         self.reward_fn = REWARDS[cfg.reward.name](**cfg.reward.kwargs)
         self.reward = RewardRunner(self.reward_fn, cfg.reward.on_error)
@@ -62,7 +69,7 @@ class Trainer:
         # forward for them (token policies) skip it.
         if hasattr(self.policy, "defer_old_log_prob"):
             self.policy.defer_old_log_prob = cfg.train.minibatches == cfg.train.grad_accum
-        self.logger = Logger(cfg.log.out_dir, cfg.log.tensorboard)
+        self.logger = Logger(cfg.log.out_dir, cfg.log.tensorboard, enabled=self.dist.main)
         self.timer = Timer()
 
     # ------------------------------------------------------------------------------------------ the loop
@@ -103,6 +110,10 @@ class Trainer:
         seed = t.seed * 1_000_003 + it  # per-iteration seeds: resuming needs no RNG state
         torch.manual_seed(seed)
         rollout, rewards, valid, metrics = self._collect(random.Random(seed), torch.Generator().manual_seed(seed))
+        metrics["rollout/actions_mean"] = rollout.action_mask.sum(-1).float().mean().item()  # tokens: completion length
+        local = (rollout, valid)
+        if self.dist.world > 1:  # advantages need whole groups: every rank sees every row's reward
+            rollout, rewards, valid = self._gathered(rollout, rewards, valid)
         shaped = REWARD_SHAPINGS[a.reward_shaping](rewards["overall"], a)
         adv_fn = lambda r, g, v: ADVANTAGES[a.advantage](r, g, v, a)[0]  # noqa: E731
         adv, adv_stats = REWARD_AGGREGATIONS[a.reward_aggregation]({**rewards, "overall": shaped},
@@ -111,13 +122,16 @@ class Trainer:
         if "tree_node" in rollout.extras:  # BranchGRPO: per-transition advantages [N, A] and the trained mask
             adv, tree_stats = tree_advantages(shaped, rollout, valid, cfg, ADVANTAGES[a.advantage], it)
             adv_stats.update(tree_stats)
-        metrics["rollout/actions_mean"] = rollout.action_mask.sum(-1).float().mean().item()  # tokens: completion length
         rollout.action_mask &= valid.unsqueeze(-1)
         metrics.update({f"reward/{k}_mean": v[valid].mean().item() if valid.any() else 0.0 for k, v in rewards.items()})
         metrics["reward/overall_std"] = rewards["overall"][valid].std().item() if valid.sum() > 1 else 0.0
         metrics.update(adv_stats)
         metrics.update(injection_diagnostics(shaped, rollout.group_id, valid, rollout.is_offpolicy, adv_fn))
         metrics.update(self._per_category(rollout, rewards, valid))
+        if self.dist.world > 1:  # back to this rank's rows
+            rows, rollout, valid = self._local_rows, *local
+            adv, self._row_actions = adv[rows], rollout.extras.pop("_row_actions_all")
+            rollout.action_mask &= valid.unsqueeze(-1)
         with self.timer("train"):
             metrics.update(self.optimize(rollout, adv))
         metrics.update(self.timer.pop())
@@ -166,7 +180,7 @@ class Trainer:
 
         def sample(chunk):
             with self.timer("rollout"):
-                rollout = self.policy.sample(chunk, t.group_size, gen)
+                rollout = self._sample(chunk, gen)
                 return OFFPOLICY[a.offpolicy](self.policy, rollout, self.task)[0]
 
         if self.reward_pool is None:
@@ -186,22 +200,74 @@ class Trainer:
         rewards = {key: torch.cat([s[0][key] for _, s in scored]) for key in sorted(keys)}
         return rollout, rewards, torch.cat([s[1] for _, s in scored]), sum(s[2] for _, s in scored)
 
+    def _sample(self, examples: list[dict], gen: torch.Generator) -> Rollout:
+        """One group per example; with several processes, this rank's share: its contiguous range of the
+        B * G rows (policies that sample by row) or of the B groups (global group ids either way)."""
+        g, d = self.cfg.train.group_size, self.dist
+        if d.world == 1:
+            return self.policy.sample(examples, g, gen)
+        if getattr(self.policy, "samples_rows", False):
+            return self.policy.sample(examples, g, gen, rows=d.rows(len(examples) * g))
+        share = d.rows(len(examples))
+        ro = self.policy.sample([examples[i] for i in share.tolist()], g, gen)
+        ro.group_id = ro.group_id + int(share[0]) if len(share) else ro.group_id
+        return ro
+
+    def _gathered(self, rollout: Rollout, rewards: dict, valid: torch.Tensor):
+        """Every rank's rows (rank order) for the advantages; remembers this rank's rows and the actions each
+        row trains (after masking invalid rows) for the loss normalization."""
+        d = self.dist
+        n = len(rollout)
+        counts = d.gather(torch.tensor([n])).tolist()
+        off = sum(counts[:d.rank])
+        self._local_rows = torch.arange(off, off + n)
+        row_actions = d.gather((rollout.action_mask & valid.unsqueeze(-1)).sum(-1))   # [N]
+        full_valid = d.gather(valid)
+        rows = Rollout(group_id=d.gather(rollout.group_id), old_log_prob=torch.zeros(len(full_valid), 0),
+                       action_mask=torch.zeros(len(full_valid), 0, dtype=torch.bool),
+                       examples=[{"category": c} for c in d.gather_list([e.get("category") for e in rollout.examples])],
+                       outputs=None,
+                       is_offpolicy=d.gather(rollout.is_offpolicy))
+        rollout.extras["_row_actions_all"] = row_actions
+        return rows, {k: d.gather(v) for k, v in rewards.items()}, full_valid
+
+    def _check_parallel_config(self) -> None:
+        cfg = self.cfg
+        if cfg.algo.dynamic_sampling or cfg.reward.workers or cfg.tree.split_steps:
+            raise ValueError("several processes do not support algo.dynamic_sampling, reward.workers or tree "
+                             "rollouts yet: turn them off, or run in one process")
+        n = cfg.train.prompts_per_iter * cfg.train.group_size
+        if n < self.dist.world:
+            raise ValueError(f"prompts_per_iter * group_size = {n} rows for {self.dist.world} processes")
+
     def optimize(self, rollout: Rollout, adv: torch.Tensor) -> dict:
         cfg, t, a = self.cfg, self.cfg.train, self.cfg.algo
-        n_total = len(rollout)
+        if self.dist.world > 1:
+            return self._optimize(rollout, adv, self._local_rows, self._row_actions)
+        return self._optimize(rollout, adv, torch.arange(len(rollout)), rollout.action_mask.sum(-1))
+
+    def _optimize(self, rollout: Rollout, adv: torch.Tensor, rows: torch.Tensor, row_actions: torch.Tensor) -> dict:
+        """rows: the global indices of this rank's rows of the rollout; row_actions [N]: trained actions of every
+        row (all ranks). Minibatches are chunks of one global permutation; each rank trains its rows of them,
+        normalized by the whole step's counts (x world, as DDP / FSDP average the gradients over ranks)."""
+        cfg, t, a, w = self.cfg, self.cfg.train, self.cfg.algo, self.dist.world
+        n_total, off = len(row_actions), int(rows[0]) if len(rows) else 0
         stats: dict[str, list] = {}
         ratios, steps = [], 0
         for epoch in range(t.inner_epochs):
             perm = torch.randperm(n_total, generator=torch.Generator().manual_seed(t.seed + 7919 * epoch + self.iteration))
             chunks = perm.tensor_split(t.minibatches)  # minibatches (uneven when N is not divisible)
             for m in tqdm(range(t.minibatches), desc=f"train epoch {epoch}", leave=False,
-                          disable=not cfg.log.progress or t.minibatches == 1):
-                idx = chunks[m]
+                          disable=not cfg.log.progress or t.minibatches == 1 or not self.dist.main):
+                mine = chunks[m][(chunks[m] >= off) & (chunks[m] < off + len(rows))] - off  # local indices
+                # a rank with no row in this minibatch still runs one (zero-weighted) forward and backward, so
+                # every rank takes part in the same collectives
+                idx, weight = (mine, 1.0) if len(mine) else (torch.tensor([0]), 0.0)
                 # Normalize by the sizes of the optimizer step's whole batch (grad_accum minibatches): the
                 # gradient of one step is that of its full-batch loss whatever the minibatch split.
                 first = m - m % t.grad_accum
                 step_rows = torch.cat(chunks[first:first + t.grad_accum])
-                n_step, a_step = len(step_rows), max(int(rollout.action_mask[step_rows].sum()), 1)
+                n_step, a_step = len(step_rows) / w, max(int(row_actions[step_rows].sum()), 1) / w
                 out = self.policy.log_prob(rollout, idx)
                 deferred = torch.isnan(rollout.old_log_prob[idx])
                 if deferred.any():  # fill deferred old log-probs from this first forward (weights unchanged)
@@ -220,7 +286,7 @@ class Trainer:
                     s["kl"] = kl.detach()
                 for name in a.weighting.split("+"):
                     loss_a = loss_a * WEIGHTINGS[name](mb, out)
-                loss = LOSS_AGG[a.loss_agg](loss_a, mb.action_mask, n_step, a_step)
+                loss = LOSS_AGG[a.loss_agg](loss_a, mb.action_mask, n_step, a_step) * weight
                 loss.backward()
                 mask = mb.action_mask
                 for k, v in s.items():
@@ -234,7 +300,7 @@ class Trainer:
                 ratios.append((s["ratio"] * mask).sum(0) / mask.sum(0).clamp(min=1))
                 if (m + 1) % t.grad_accum == 0:
                     stats.setdefault("grad_norm", []).append(
-                        torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm).item())
+                        full(torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm)).item())
                     self.opt.step()
                     self.opt.zero_grad(set_to_none=True)
                     self._ema_update()
@@ -289,20 +355,29 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- checkpoints
     def save(self) -> str:
+        """Rank 0 writes (atomically); every rank takes part in gathering sharded weights, then all check that
+        their parameters agree."""
         path = os.path.join(self.cfg.log.out_dir, "checkpoints", f"iter-{self.iteration:06d}")
-        with ckpt.atomic_dir(path) as tmp:
-            self._swap_ema()  # the saved policy is the EMA one when enabled; raw weights go to trainer_state
-            try:
-                self.policy.save_pretrained(os.path.join(tmp, "policy"))
-            finally:
-                self._swap_ema()
-            state = {"iteration": self.iteration, "optimizer": self.opt.state_dict(),
-                     "params": [p.detach().clone() for p in self.params],
-                     "ema": self.ema, "torch_rng": torch.get_rng_state()}
-            torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(to_dict(self.cfg), f, indent=2)
-        ckpt.prune(os.path.dirname(path), self.cfg.log.keep_checkpoints)
+        fsdp = self.dist.world > 1 and self.cfg.train.parallel == "fsdp"
+        params = [full(p).detach().clone() for p in self.params]     # a collective under FSDP: every rank
+        ema = [full(e).clone() for e in self.ema] if self.ema is not None else None
+        self._swap_ema()  # the saved policy is the EMA one when enabled; raw weights go to trainer_state
+        try:
+            with unsharded(self.policy.trainable_modules() if fsdp else []):
+                if self.dist.main:
+                    with ckpt.atomic_dir(path) as tmp:
+                        self.policy.save_pretrained(os.path.join(tmp, "policy"))
+                        # FSDP shards the optimizer state across ranks: it is not saved (see resume)
+                        state = {"iteration": self.iteration, "optimizer": None if fsdp else self.opt.state_dict(),
+                                 "params": params, "ema": ema, "torch_rng": torch.get_rng_state()}
+                        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+                        with open(os.path.join(tmp, "config.json"), "w") as f:
+                            json.dump(to_dict(self.cfg), f, indent=2)
+                    ckpt.prune(os.path.dirname(path), self.cfg.log.keep_checkpoints)
+        finally:
+            self._swap_ema()
+        self.dist.barrier()
+        self.dist.check_in_sync(self.params)
         return path
 
     def resume(self) -> bool:
@@ -311,6 +386,9 @@ class Trainer:
         if path is None:
             return False
         state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+        if state["optimizer"] is None:
+            raise ValueError(f"{path} was written by an FSDP run, whose optimizer state is sharded and not saved: "
+                             f"resuming it exactly is not supported yet; start a new run from {path}/policy")
         with torch.no_grad():
             for p, v in zip(self.params, state["params"]):
                 p.copy_(v)

@@ -81,14 +81,22 @@ class FlowPolicy:
         return lambda x, s: self.model.velocity(x, s, enc, pooled, cfg, neg)
 
     @torch.no_grad()
-    def sample(self, examples: list[dict], group_size: int, generator: torch.Generator) -> Rollout:
-        """Chain rollouts (G independent chains per prompt), or BranchGRPO trees when tree.split_steps is set."""
+    def sample(self, examples: list[dict], group_size: int, generator: torch.Generator,
+               rows: torch.Tensor | None = None) -> Rollout:
+        """Chain rollouts (G independent chains per prompt), or BranchGRPO trees when tree.split_steps is set.
+
+        rows: only these of the B * G rows (several processes share one iteration's rows; a group may be cut).
+        Each row's noise comes from its own seed, so a row is the same whichever process samples it."""
         texts = [ex["prompt"] for ex in examples]
+        all_rows = torch.arange(len(texts) * group_size)
+        rows = all_rows if rows is None else rows
         if self.tree.split_steps:
+            if len(rows) != len(all_rows):
+                raise ValueError("tree rollouts cannot split a tree across processes: run BranchGRPO in one process")
             traj, steps, extra = self._sample_tree(texts, generator)
         else:
-            traj, steps, extra = self._sample_chain(texts, group_size, generator)
-        n, w = len(texts) * group_size, torch.tensor(steps)
+            traj, steps, extra = self._sample_chain(texts, group_size, generator, rows.tolist())
+        n, w = len(rows), torch.tensor(steps)
         a = len(steps)
         enc, pooled = extra.pop("enc"), extra.pop("pooled")
         extras = {
@@ -103,27 +111,26 @@ class FlowPolicy:
             **{k: v[:, w] if v.dim() == 2 else v for k, v in extra.items()},
         }
         images = self.model.decode(traj.latents[:, -1])
-        return Rollout(group_id=group_ids(len(texts), group_size), old_log_prob=traj.log_prob[:, w],
+        return Rollout(group_id=group_ids(len(texts), group_size)[rows], old_log_prob=traj.log_prob[:, w],
                        action_mask=torch.ones(n, a, dtype=torch.bool),
-                       examples=[ex for ex in examples for _ in range(group_size)], outputs=images, extras=extras)
+                       examples=[examples[i // group_size] for i in rows.tolist()], outputs=images, extras=extras)
 
     def _seeds(self, n: int, generator: torch.Generator) -> list[int]:
         return torch.randint(0, 2**31 - 1, (n,), generator=generator).tolist()
 
-    def _sample_chain(self, texts, group_size, generator):
-        texts = [t for t in texts for _ in range(group_size)]
-        enc, pooled = self.model.encode_prompts(texts)              # [N, L, D], [N, P]
-        seeds = self._seeds(len(texts), generator)
-        if self.cfg.shared_noise:  # one initial noise per group: rows b*G .. b*G+G-1 share seed b*G
-            seeds = [seeds[i - i % group_size] for i in range(len(seeds))]
-        x = self.model.initial_noise(seeds, self.device)             # [N, C, H, W]
+    def _sample_chain(self, texts, group_size, generator, rows: list[int]):
+        seeds = self._seeds(len(texts) * group_size, generator)     # one per row of the whole batch
+        init = [seeds[i - i % group_size] for i in range(len(seeds))] if self.cfg.shared_noise else seeds
+        # shared_noise: one initial noise per group (rows b*G .. b*G+G-1 start from seed b*G)
         window = self._window(generator)
+        enc, pooled = self.model.encode_prompts([texts[i // group_size] for i in rows])  # [n, L, D], [n, P]
+        x = self.model.initial_noise([init[i] for i in rows], self.device)              # [n, C, H, W]
+        step_noise = [torch.Generator(self.device).manual_seed((seeds[i] * 1_000_003 + 12_345) % 2**63) for i in rows]
         kinds = ["ode"] * self.cfg.num_steps
         for i in window:
             kinds[i] = self.cfg.kind
         traj = run_chain(self._velocity_fn(enc, pooled), x, self.sigmas, kinds, self.cfg.noise_level,
-                         generator=torch.Generator(self.device).manual_seed(seeds[0]), reduce=self.cfg.logprob_reduce,
-                         progress=self.progress)
+                         generator=step_noise, reduce=self.cfg.logprob_reduce, progress=self.progress)
         return traj, window, {"enc": enc, "pooled": pooled}
 
     def _sample_tree(self, texts, generator):
@@ -196,6 +203,20 @@ class FlowPolicy:
 
     def trainable_parameters(self):
         return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------------------- several processes
+    samples_rows = True  # sample(rows=...) gives any subset of a batch's rows
+
+    def trainable_modules(self) -> list[torch.nn.Module]:
+        return [self.transformer]
+
+    def parallelize(self, wrap, parallel: str) -> None:
+        """DDP wraps the transformer (gradients all-reduced during backward); FSDP2 shards it in place. Every
+        transformer call goes through the result; the frozen text encoders and VAE stay replicated."""
+        self.transformer = self.model.transformer = wrap(self.transformer)
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.transformer.enable_gradient_checkpointing()
 
     @torch.no_grad()
     def evaluate(self, examples: list[dict], seed: int) -> torch.Tensor:

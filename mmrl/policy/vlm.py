@@ -315,6 +315,22 @@ class TokenPolicy:
     def trainable_parameters(self):
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    # ------------------------------------------------------------------------------- several processes
+    def trainable_modules(self) -> list[torch.nn.Module]:
+        return [self.model]
+
+    def parallelize(self, wrap, parallel: str) -> None:
+        """DDP only: each rank decodes a different number of tokens, which FSDP's per-forward all-gathers would
+        have to mirror step by step. The scoring pass is one forward per minibatch through the DDP wrapper (the
+        shared-prefix pass makes two, so it is turned off); generation uses the unwrapped model."""
+        if parallel != "ddp":
+            raise ValueError(f"train.parallel={parallel} is not supported for token policies yet: use train.parallel=ddp")
+        self.shared_prefix = False
+        self.model = wrap(self.model)
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.model.gradient_checkpointing_enable()
+
     @torch.no_grad()
     def evaluate(self, examples: list[dict], seed: int) -> list[str]:
         """Greedy completions (the benchmark protocol); examples whose video is unreadable score as ''."""

@@ -90,7 +90,7 @@ def step_mean_std(kind: str, x: torch.Tensor, v: torch.Tensor, sigma: torch.Tens
 
 
 def step(kind: str, x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
-         noise_level: float, sigma_max: float, generator: torch.Generator | None = None,
+         noise_level: float, sigma_max: float, generator: torch.Generator | list | None = None,
          reduce: str = "mean", std_scale: float = 1.0) -> StepOut:
     """Sample one step and return it with its log-prob. Shapes as in the module docstring. std_scale widens the
     noise (BranchGRPO's split noise); the returned std and log-prob are those of the density actually sampled."""
@@ -98,8 +98,12 @@ def step(kind: str, x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma
     std = std * std_scale
     if bool((std == 0).all()):
         return StepOut(mean, mean, std, torch.zeros_like(std))
-    noise = torch.randn(mean.shape, generator=generator, device="cpu" if generator is None else generator.device,
-                        dtype=mean.dtype).to(mean.device)
+    if isinstance(generator, (list, tuple)):  # one generator per row: a row's noise never depends on its batch
+        noise = torch.stack([torch.randn(mean.shape[1:], generator=g, device=g.device, dtype=mean.dtype)
+                             for g in generator]).to(mean.device)
+    else:
+        noise = torch.randn(mean.shape, generator=generator, device="cpu" if generator is None else generator.device,
+                            dtype=mean.dtype).to(mean.device)
     nxt = mean + _bcast(std, mean) * noise
     return StepOut(nxt, mean, std, gaussian_log_prob(nxt, mean, std, reduce))
 

@@ -1,0 +1,153 @@
+"""Several processes, one training loop: data-parallel rollouts and DDP or FSDP2 training.
+
+Launch any config on several processes (the README has the recipes):
+
+    accelerate launch --multi_gpu --num_processes 8 -m mmrl.cli train CONFIG train.parallel=ddp
+    torchrun --nproc_per_node 8 -m mmrl.cli train CONFIG train.parallel=fsdp
+
+How the work is split. Every rank draws the same prompts (same seeds). The N = B * G rows of an iteration
+are cut into `world` contiguous ranges; rank r samples rows [N r / world, N (r + 1) / world), so a group may
+span ranks. A row's noise is seeded by its global index, so the rows are the ones a single process would
+sample. Rewards are scored where the rows are, then all-gathered: advantages use whole groups on every rank.
+Minibatches are the single-process minibatches (one global permutation), each rank training its rows of them;
+losses are normalized by the global counts, and gradients are averaged across ranks by DDP (bucketed
+all-reduce during backward) or FSDP2 (`fully_shard`: parameters, gradients and optimizer state sharded).
+
+Process groups come from accelerate's `PartialState` (NCCL on GPUs, gloo on CPU with ACCELERATE_USE_CPU=true
+or `accelerate launch --cpu` semantics). `check_in_sync` compares a parameter checksum across ranks and raises
+when ranks drifted apart (a launcher that started processes without a process group trains them separately).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+def launched() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+class Distributed:
+    """rank / world / device of this process, and the collectives the trainer needs. world == 1: no-ops."""
+
+    def __init__(self, parallel: str = "none"):
+        self.parallel = parallel
+        self.rank, self.world = 0, 1
+        self.device = torch.device("cpu")
+        if parallel != "none" and launched():
+            from accelerate import PartialState
+
+            cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+            state = PartialState(cpu=cpu)
+            if not dist.is_initialized() or dist.get_world_size() != int(os.environ["WORLD_SIZE"]):
+                raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but no process group of that size: launch "
+                                   f"with torchrun or `accelerate launch --multi_gpu` (on CPU set ACCELERATE_USE_CPU=true)")
+            self.rank, self.world, self.device = state.process_index, state.num_processes, state.device
+        elif launched():
+            raise RuntimeError(f"started as one of WORLD_SIZE={os.environ['WORLD_SIZE']} processes with "
+                               f"train.parallel=none: every process would train alone. Set train.parallel=ddp or fsdp")
+        elif parallel != "none":
+            log.warning("train.parallel=%s in a single process: nothing to parallelize", parallel)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def rows(self, n: int) -> torch.Tensor:
+        """This rank's contiguous share of n rows."""
+        return torch.arange(n * self.rank // self.world, n * (self.rank + 1) // self.world)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate [n_r, ...] tensors of every rank in rank order (n_r may differ)."""
+        if self.world == 1:
+            return x
+        parts = [None] * self.world
+        dist.all_gather_object(parts, x.cpu())
+        return torch.cat(parts).to(x.device)
+
+    def gather_list(self, items: list) -> list:
+        """Concatenate every rank's list (picklable items) in rank order."""
+        if self.world == 1:
+            return items
+        parts = [None] * self.world
+        dist.all_gather_object(parts, items)
+        return [x for part in parts for x in part]
+
+    def wrap(self, module: torch.nn.Module, mixed_precision: str = "no") -> torch.nn.Module:
+        """DDP: the module wrapped (attributes still reach it); FSDP2: the module sharded in place."""
+        if self.world == 1 or self.parallel == "none":
+            return module
+        if self.parallel == "ddp":
+            return _DDP(module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                        forward_sync_buffers=False)
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if mixed_precision == "bf16" else MixedPrecisionPolicy()
+        blocks = [m for name, m in module.named_children() if isinstance(m, torch.nn.ModuleList)]
+        for block_list in blocks:  # each transformer block its own unit: params all-gathered one block at a time
+            for blk in block_list:
+                fully_shard(blk, mp_policy=mp)
+        fully_shard(module, mp_policy=mp)
+        return module
+
+    def check_in_sync(self, params: list[torch.Tensor], what: str = "parameters") -> None:
+        """Raise if this rank's parameters differ from rank 0's (checksum and a weighted checksum)."""
+        if self.world == 1:
+            return
+        with torch.no_grad():
+            flat = [full(p).double().flatten() for p in params]
+            v = torch.stack([sum(f.sum() for f in flat), sum((f * torch.arange(1, f.numel() + 1, dtype=f.dtype)
+                                                              .remainder(97)).sum() for f in flat)])
+        ref = v.clone()
+        dist.broadcast(ref, 0)
+        bad = torch.tensor([float(not torch.allclose(v, ref, rtol=1e-9, atol=1e-9))])
+        dist.all_reduce(bad)
+        if bad.item():
+            raise RuntimeError(f"ranks are out of sync: {what} differ from rank 0's on {int(bad.item())} rank(s). "
+                               f"Gradients are not being averaged: check train.parallel and the launcher")
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+@contextlib.contextmanager
+def unsharded(modules: list[torch.nn.Module]):
+    """Within the block, the FSDP2-sharded parameters of `modules` are replaced by plain full tensors (all ranks
+    must enter: each is all-gathered, in the same order everywhere), so save_pretrained writes whole tensors;
+    the sharded parameters are put back afterwards."""
+    sharded = [(sub, name, p) for mod in modules for sub in mod.modules()
+               for name, p in list(sub._parameters.items()) if p is not None and hasattr(p, "full_tensor")]
+    with torch.no_grad():
+        whole = [torch.nn.Parameter(p.full_tensor().detach().clone(), requires_grad=p.requires_grad)
+                 for _, _, p in sharded]
+    for (sub, name, _), w in zip(sharded, whole):
+        sub._parameters[name] = w
+    try:
+        yield
+    finally:
+        for sub, name, p in sharded:
+            sub._parameters[name] = p
+
+
+def full(p: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly FSDP2-sharded DTensor) parameter."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+class _DDP(torch.nn.parallel.DistributedDataParallel):
+    """DDP whose unknown attributes (config, adapters, save_pretrained ...) are the wrapped module's."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)

@@ -1,0 +1,60 @@
+"""Worker for tests/test_distributed.py: k trainer steps on a tiny flow model, in one process or under torchrun.
+
+    python tests/workers/dist_train.py MODEL OUT --parallel none|ddp|fsdp --steps K [--desync]
+
+Rank 0 writes OUT (safetensors): the full trained parameters. --desync perturbs rank 1's weights before the
+final sync check, which must then raise (exit code 3).
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--parallel", default="none")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--desync", action="store_true")
+    p.add_argument("--save", action="store_true", help="also write a checkpoint (gathers FSDP shards)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    from safetensors.torch import save_file
+
+    from mmrl.config import load_config
+    from mmrl.distributed import full
+    from mmrl.trainer import Trainer
+
+    cfg = load_config(os.path.join(ROOT, "configs/tiny/flow_smoke.yaml"), [
+        f"model.path={args.model}", f"log.out_dir={os.path.dirname(args.out)}/run-{args.parallel}",
+        "log.tensorboard=false", "log.eval_at_start=false", "train.prompts_per_iter=3", "train.group_size=4",
+        "train.minibatches=2", f"train.parallel={args.parallel}", "model.reference=none"])
+    tr = Trainer(cfg)
+    for it in range(args.steps):
+        m = tr.step(it)
+    if args.save:
+        tr.iteration = args.steps
+        tr.save()
+    if args.desync and tr.dist.rank == 1:
+        with torch.no_grad():
+            tr.params[0].add_(1e-3)
+    try:
+        tr.dist.check_in_sync(tr.params)
+    except RuntimeError as e:
+        print(f"rank {tr.dist.rank}: {e}", flush=True)
+        sys.exit(3)
+    params = {f"p{i}": full(q).detach().clone().contiguous() for i, q in enumerate(tr.params)}
+    if tr.dist.main:
+        save_file(params, args.out)
+        print(f"world {tr.dist.world} reward {m['reward/overall_mean']:.4f} loss {m['train/loss']:.6f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
