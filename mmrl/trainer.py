@@ -312,6 +312,8 @@ class Trainer:
         for j, r in enumerate(torch.stack(ratios).mean(0).tolist()):
             out[f"ratio_per_action/{int(labels[0, j]) if labels is not None else j}"] = r
         out["train/optimizer_steps"] = steps
+        if steps and hasattr(self.policy, "sync_weights"):  # an engine with its own weight copy (vLLM) reloads
+            self.policy.sync_weights()
         return out
 
     # -------------------------------------------------------------------------------------------- helpers

@@ -315,6 +315,10 @@ class TokenPolicy:
     def trainable_parameters(self):
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    def sync_weights(self) -> None:
+        """After the optimizer steps of an iteration: the rollout engine picks up the new weights."""
+        self.engine.sync_weights()
+
     # ------------------------------------------------------------------------------- several processes
     def trainable_modules(self) -> list[torch.nn.Module]:
         return [self.model]
