@@ -114,6 +114,15 @@ class Distributed:
             raise RuntimeError(f"ranks are out of sync: {what} differ from rank 0's on {int(bad.item())} rank(s). "
                                f"Gradients are not being averaged: check train.parallel and the launcher")
 
+    @contextlib.contextmanager
+    def main_first(self):
+        """Rank 0 runs the block first (e.g. writes a dataset or world to disk), then the others."""
+        if not self.main:
+            self.barrier()
+        yield
+        if self.main:
+            self.barrier()
+
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()

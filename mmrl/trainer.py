@@ -52,7 +52,8 @@ class Trainer:
         if self.dist.world > 1:
             self._check_parallel_config()
             self.policy.parallelize(lambda m: self.dist.wrap(m, cfg.train.mixed_precision), cfg.train.parallel)
-        self.task = build_task(cfg.task)
+        with self.dist.main_first():  # a task that writes its data (the grounding world) does it once
+            self.task = build_task(cfg.task)
         self.reward_fn = REWARDS[cfg.reward.name](**cfg.reward.kwargs)
         self.reward = RewardRunner(self.reward_fn, cfg.reward.on_error)
         self.eval_reward = self.reward if not cfg.reward.eval_name else RewardRunner(

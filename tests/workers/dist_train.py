@@ -24,6 +24,7 @@ def main():
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--desync", action="store_true")
     p.add_argument("--save", action="store_true", help="also write a checkpoint (gathers FSDP shards)")
+    p.add_argument("--world", default=None, help="token policy: MODEL is a tiny Qwen-VL, WORLD a grounding world")
     args = p.parse_args()
     torch.set_num_threads(1)
     from safetensors.torch import save_file
@@ -32,10 +33,14 @@ def main():
     from mmrl.distributed import full
     from mmrl.trainer import Trainer
 
-    cfg = load_config(os.path.join(ROOT, "configs/tiny/flow_smoke.yaml"), [
-        f"model.path={args.model}", f"log.out_dir={os.path.dirname(args.out)}/run-{args.parallel}",
-        "log.tensorboard=false", "log.eval_at_start=false", "train.prompts_per_iter=3", "train.group_size=4",
-        "train.minibatches=2", f"train.parallel={args.parallel}", "model.reference=none"])
+    common = [f"model.path={args.model}", f"log.out_dir={os.path.dirname(args.out)}/run-{args.parallel}",
+              "log.tensorboard=false", "log.eval_at_start=false", f"train.parallel={args.parallel}",
+              "model.reference=none", "train.minibatches=2"]
+    if args.world:
+        cfg = load_config(os.path.join(ROOT, "configs/tiny/vlm_smoke.yaml"), common + [f"task.kwargs.root={args.world}"])
+    else:
+        cfg = load_config(os.path.join(ROOT, "configs/tiny/flow_smoke.yaml"),
+                          common + ["train.prompts_per_iter=3", "train.group_size=4"])
     tr = Trainer(cfg)
     for it in range(args.steps):
         m = tr.step(it)
