@@ -58,6 +58,8 @@ class SamplerConfig:
     top_p: float = 1.0
     max_new_tokens: int = 64
     engine: str = "prefix_cache"  # token policies: prefix_cache (each prompt prefilled once per group) | hf (generate)
+                                  # | vllm (mmrl/rollout/vllm_engine.py; text-only; vLLM in this environment)
+    vllm: dict = field(default_factory=dict)  # VLLMEngine options: dtype, gpu_memory_utilization, max_model_len, sleep
 
 
 @dataclass

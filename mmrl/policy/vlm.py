@@ -97,8 +97,15 @@ class TokenPolicy:
             self.engine = PrefixCacheEngine(self.model, self.prefill, self.eos_id, self.pad_id, self.suppress_ids)
         elif engine == "hf":
             self.engine = HFEngine(self.model, self.eos_id, self.pad_id, self.suppress_ids)
+        elif engine == "vllm":
+            from mmrl.rollout.vllm_engine import VLLMEngine
+
+            if self.is_vlm:
+                raise ValueError("sampler.engine=vllm serves text-only policies here; use prefix_cache for a VLM")
+            self.engine = VLLMEngine(self.model, model_path, self.eos_id, self.pad_id, self.suppress_ids,
+                                     **sampler_cfg.vllm)
         else:
-            raise ValueError(f"sampler.engine={engine!r}; valid: prefix_cache, hf")
+            raise ValueError(f"sampler.engine={engine!r}; valid: prefix_cache, hf, vllm")
 
     # ------------------------------------------------------------------------------------------ prompts
     def _messages(self, ex: dict) -> list[dict]:
