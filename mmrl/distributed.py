@@ -91,10 +91,8 @@ class Distributed:
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if mixed_precision == "bf16" else MixedPrecisionPolicy()
-        blocks = [m for name, m in module.named_children() if isinstance(m, torch.nn.ModuleList)]
-        for block_list in blocks:  # each transformer block its own unit: params all-gathered one block at a time
-            for blk in block_list:
-                fully_shard(blk, mp_policy=mp)
+        for blk in _blocks(module):  # each transformer block its own unit: params all-gathered one block at a time
+            fully_shard(blk, mp_policy=mp)
         fully_shard(module, mp_policy=mp)
         return module
 
@@ -145,6 +143,21 @@ def unsharded(modules: list[torch.nn.Module]):
     finally:
         for sub, name, p in sharded:
             sub._parameters[name] = p
+
+
+_BLOCK_LISTS = ("layers", "blocks", "transformer_blocks", "single_transformer_blocks")
+
+
+def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a model: the items of its outermost ModuleLists named like layers / blocks
+    (diffusers transformer_blocks, transformers model.layers, vision blocks ...)."""
+    found, taken = [], []
+    for name, m in module.named_modules():
+        if isinstance(m, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in _BLOCK_LISTS:
+            if not any(name.startswith(t + ".") for t in taken):
+                taken.append(name)
+                found.extend(m)
+    return found
 
 
 def full(p: torch.Tensor) -> torch.Tensor:

@@ -58,9 +58,12 @@ def test_ddp_and_fsdp_end_where_one_process_ends(tiny_pixel_model, tmp_path):
     assert max((p.detach() - single[f"p{i}"]).abs().max().item() for i, p in enumerate(trained)) < 1e-6
 
 
-def test_token_policy_ddp_stays_in_sync(tiny_vl, tiny_world, tmp_path):
-    """A tiny Qwen2.5-VL on video prompts, whole groups per rank, DDP: trains and the ranks agree at the end."""
-    r = run(tiny_vl, str(tmp_path / "vl.safetensors"), "--parallel", "ddp", "--steps", "2", "--world", tiny_world, procs=2)
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_token_policy_trains_in_sync(mode, tiny_vl, tiny_world, tmp_path):
+    """A tiny Qwen2.5-VL on video prompts, whole groups per rank: trains, saves (FSDP: whole tensors) and the
+    ranks agree at the end (FSDP: ranks decode in lockstep until all are done)."""
+    r = run(tiny_vl, str(tmp_path / "vl.safetensors"), "--parallel", mode, "--steps", "2", "--world", tiny_world,
+            "--save", procs=2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "world 2" in r.stdout and os.path.exists(tmp_path / "vl.safetensors")
 

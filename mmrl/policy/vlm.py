@@ -64,6 +64,7 @@ class TokenPolicy:
         # True: rollouts carry NaN old log-probs and the trainer takes them from its first forward (exact
         # when that forward runs before any optimizer step); saves one forward pass per rollout.
         self.defer_old_log_prob = False
+        self.pad_forwards = None  # FSDP: n -> extra forwards that keep every rank's forward count equal
         self.eos_id, self.pad_id = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.eos_id
@@ -214,8 +215,12 @@ class TokenPolicy:
 
     @torch.no_grad()
     def old_log_prob(self, rollout: Rollout, index: torch.Tensor, chunk: int = 32) -> torch.Tensor:
-        return torch.cat([self.log_prob(rollout, index[i:i + chunk]).log_prob.cpu()
-                          for i in range(0, len(index), chunk)])
+        out = torch.cat([self.log_prob(rollout, index[i:i + chunk]).log_prob.cpu()
+                         for i in range(0, len(index), chunk)])
+        if self.pad_forwards is not None:  # FSDP: as many forwards as the rank with the most chunks
+            for _ in range(self.pad_forwards(-(-len(index) // chunk))):
+                self.log_prob(rollout, index[:1])
+        return out
 
     # ------------------------------------------------------------------------------------------ scoring
     def log_prob(self, rollout: Rollout, index: torch.Tensor) -> PolicyOutput:
@@ -331,11 +336,27 @@ class TokenPolicy:
         return [self.model]
 
     def parallelize(self, wrap, parallel: str) -> None:
-        """DDP only: each rank decodes a different number of tokens, which FSDP's per-forward all-gathers would
-        have to mirror step by step. The scoring pass is one forward per minibatch through the DDP wrapper (the
-        shared-prefix pass makes two, so it is turned off); generation uses the unwrapped model."""
-        if parallel != "ddp":
-            raise ValueError(f"train.parallel={parallel} is not supported for token policies yet: use train.parallel=ddp")
+        """DDP: the scoring pass goes through the DDP wrapper; generation uses the unwrapped model. FSDP2: the
+        model is sharded in place, and since every forward all-gathers parameters on all ranks, every rank must
+        run the same forwards: decoding runs until all ranks are done (prefix-cache engine only), old log-probs
+        pad to the most chunks. Both: one forward per scoring call (the shared-prefix pass is turned off)."""
+        if parallel == "fsdp":
+            if not isinstance(self.engine, PrefixCacheEngine):
+                raise ValueError("train.parallel=fsdp needs sampler.engine=prefix_cache for token policies")
+            import torch.distributed as dist
+
+            def all_done(finished: bool) -> bool:
+                flag = torch.tensor([float(finished)])
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+                return bool(flag.item())
+
+            def pad_forwards(n: int) -> int:
+                most = torch.tensor([float(n)])
+                dist.all_reduce(most, op=dist.ReduceOp.MAX)
+                return int(most.item()) - n
+
+            self.engine.all_done, self.pad_forwards = all_done, pad_forwards
+        # one forward per scoring call on every rank (the shared-prefix pass makes one or two, by minibatch)
         self.shared_prefix = False
         self.model = wrap(self.model)
 

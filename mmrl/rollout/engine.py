@@ -68,6 +68,9 @@ class PrefixCacheEngine:
     def __init__(self, model: torch.nn.Module, prefill, eos_id: int, pad_id: int, suppress_ids: list[int] = ()):
         self.model, self.prefill, self.eos_id, self.pad_id = model, prefill, eos_id, pad_id
         self.suppress_ids = list(suppress_ids)
+        # several processes with a sharded model (FSDP): every rank must run the same number of forwards, so a
+        # rank that is done keeps decoding (padding) until all are; all_done(bool) -> bool agrees across ranks
+        self.all_done = None
 
     @torch.no_grad()
     def generate(self, batch, params, seed):
@@ -86,7 +89,10 @@ class PrefixCacheEngine:
                 out.append(tok)
                 alive = ~done                     # this step's token is real (EOS included)
                 done = done | (tok == self.eos_id)
-                if done.all() or k == params.max_new_tokens - 1:
+                finished = bool(done.all())
+                if self.all_done is not None:
+                    finished = self.all_done(finished)
+                if finished or k == params.max_new_tokens - 1:
                     break
                 mask = torch.cat([mask, alive.long()[:, None]], 1)
                 logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=(start + k)[:, None],
