@@ -153,7 +153,7 @@ class TrainConfig:
     threads: int = 0              # torch CPU threads; 0 = leave torch's default
     time_budget_min: float = 0.0  # stop after this many minutes of training (0 = no limit)
     parallel: str = "none"        # several processes (torchrun / accelerate launch): ddp | fsdp (FSDP2 fully_shard)
-    mixed_precision: str = "no"   # fsdp: bf16 parameters in forward/backward, fp32 gradient reduction | no
+    mixed_precision: str = "no"   # bf16: training forward in bf16 (autocast; FSDP: bf16 params, fp32 reduction) | no
     gradient_checkpointing: bool = False  # recompute activations in backward (the trained transformer / LM)
 
 

@@ -201,6 +201,13 @@ class Trainer:
         rewards = {key: torch.cat([s[0][key] for _, s in scored]) for key in sorted(keys)}
         return rollout, rewards, torch.cat([s[1] for _, s in scored]), sum(s[2] for _, s in scored)
 
+    def _autocast(self):
+        """train.mixed_precision=bf16: the training forward under bf16 autocast (FSDP2 instead computes in bf16
+        through its MixedPrecisionPolicy); log-probs and the loss are computed in fp32 from its outputs."""
+        t = self.cfg.train
+        on = t.mixed_precision == "bf16" and not (t.parallel == "fsdp" and self.dist.world > 1)
+        return torch.autocast(torch.device(getattr(self.policy, "device", "cpu")).type, dtype=torch.bfloat16, enabled=on)
+
     def _sample(self, examples: list[dict], gen: torch.Generator) -> Rollout:
         """One group per example; with several processes, this rank's share: its contiguous range of the
         B * G rows (policies that sample by row) or of the B groups (global group ids either way)."""
@@ -269,7 +276,8 @@ class Trainer:
                 first = m - m % t.grad_accum
                 step_rows = torch.cat(chunks[first:first + t.grad_accum])
                 n_step, a_step = len(step_rows) / w, max(int(row_actions[step_rows].sum()), 1) / w
-                out = self.policy.log_prob(rollout, idx)
+                with self._autocast():
+                    out = self.policy.log_prob(rollout, idx)
                 deferred = torch.isnan(rollout.old_log_prob[idx])
                 if deferred.any():  # fill deferred old log-probs from this first forward (weights unchanged)
                     if steps:

@@ -35,6 +35,7 @@ def cfg_for(path, tmp_path, *items):
     ["algo.kl_coef=0.1", "model.lora.enabled=true", "model.lora.rank=4"],
     ["algo.kl_coef=0.1", "algo.kl=k3"],
     ["algo.advantage=dr_grpo", "algo.loss_agg=token_mean", "sampler.kind=cps", "sampler.noise_level=0.5"],
+    ["train.mixed_precision=bf16", "train.gradient_checkpointing=true"],
     ["train.grad_accum=2", "train.inner_epochs=2", "train.ema_decay=0.5", "sampler.sde_window_size=2"],
     ["algo.ratio=guard", "algo.weighting=guard_dt", "algo.clip_range=2e-6", "train.inner_epochs=2"],  # GRPO-Guard
     ["algo.ratio=guard", "algo.weighting=tempflow+guard_dt", "sampler.sde_window_size=1",
