@@ -10,10 +10,24 @@ from mmrl.config import load_config
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True)))
+ACCELERATE = os.path.join(ROOT, "configs", "accelerate")
+
+
+@pytest.mark.parametrize("path", sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True)
+                                        if not p.startswith(ACCELERATE)))
 def test_every_yaml_loads_and_validates(path):
     cfg = load_config(path)
     assert cfg.train.group_size >= 2
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ACCELERATE, "*.yaml"))))
+def test_accelerate_launch_configs(path):
+    """configs/accelerate/ are accelerate's own config files: the keys `accelerate launch --config_file` reads."""
+    import yaml
+
+    c = yaml.safe_load(open(path))
+    assert c["distributed_type"] == "MULTI_GPU" and c["num_processes"] == 8 * c["num_machines"]
+    assert c["compute_environment"] == "LOCAL_MACHINE" and 0 <= c["machine_rank"] < c["num_machines"]
 
 
 def test_overrides_and_types():

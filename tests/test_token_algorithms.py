@@ -86,7 +86,10 @@ def test_dynamic_sampling_refills_zero_std_groups(tmp_path):
     tr = Trainer.__new__(Trainer)
     from mmrl.metrics import Timer
 
+    from mmrl.distributed import Distributed
+
     tr.cfg, tr.policy, tr.task, tr.reward, tr.timer = cfg, Fake(), Task(), RewardRunner(reward), Timer()
+    tr.reward_pool, tr.dist = None, Distributed()
     ro, rewards, valid, m = tr._collect(random.Random(0), torch.Generator().manual_seed(0))
     assert len(ro) == 8 and m["dynamic/informative_groups"] == 4 and m["dynamic/rounds"] == 4  # found 2, 1, 0, 1
     assert all(int(e["prompt"][1:]) % 2 == 1 for e in ro.examples)
