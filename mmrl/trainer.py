@@ -10,6 +10,7 @@ logging, checkpoints) is shared by every policy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -28,7 +29,7 @@ from mmrl.algorithms.advantages import group_stats
 from mmrl.algorithms.offpolicy import injection_diagnostics
 from mmrl.config import Config, to_dict
 from mmrl.data import Rollout
-from mmrl.distributed import Distributed, full, unsharded
+from mmrl.distributed import Distributed, from_local_state, full, local_state, shard_like, unsharded
 from mmrl.evaluation import evaluate_outputs
 from mmrl.metrics import Logger, Timer
 from mmrl.policy import POLICIES
@@ -366,25 +367,31 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- checkpoints
     def save(self) -> str:
-        """Rank 0 writes (atomically); every rank takes part in gathering sharded weights, then all check that
-        their parameters agree."""
+        """Rank 0 writes (atomically); every rank takes part in gathering sharded weights (FSDP: each rank also
+        writes its optimizer shard into the same folder, which needs a filesystem all ranks share), then all
+        check that their parameters agree."""
         path = os.path.join(self.cfg.log.out_dir, "checkpoints", f"iter-{self.iteration:06d}")
         fsdp = self.dist.world > 1 and self.cfg.train.parallel == "fsdp"
         params = [full(p).detach().clone() for p in self.params]     # a collective under FSDP: every rank
         ema = [full(e).clone() for e in self.ema] if self.ema is not None else None
         self._swap_ema()  # the saved policy is the EMA one when enabled; raw weights go to trainer_state
         try:
-            with unsharded(self.policy.trainable_modules() if fsdp else []):
+            with unsharded(self.policy.trainable_modules() if fsdp else []), contextlib.ExitStack() as stack:
+                tmp = stack.enter_context(ckpt.atomic_dir(path)) if self.dist.main else None
+                tmp = self.dist.broadcast_object(tmp)
+                if fsdp:  # optimizer state is sharded like the parameters: one file per rank
+                    torch.save(local_state(self.opt.state_dict()), os.path.join(tmp, f"optimizer-rank{self.dist.rank}.pt"))
+                self.dist.barrier()  # every shard is in the folder before rank 0 publishes it
                 if self.dist.main:
-                    with ckpt.atomic_dir(path) as tmp:
-                        self.policy.save_pretrained(os.path.join(tmp, "policy"))
-                        # FSDP shards the optimizer state across ranks: it is not saved (see resume)
-                        state = {"iteration": self.iteration, "optimizer": None if fsdp else self.opt.state_dict(),
-                                 "params": params, "ema": ema, "torch_rng": torch.get_rng_state()}
-                        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-                        with open(os.path.join(tmp, "config.json"), "w") as f:
-                            json.dump(to_dict(self.cfg), f, indent=2)
-                    ckpt.prune(os.path.dirname(path), self.cfg.log.keep_checkpoints)
+                    self.policy.save_pretrained(os.path.join(tmp, "policy"))
+                    state = {"iteration": self.iteration, "optimizer": None if fsdp else self.opt.state_dict(),
+                             "params": params, "ema": ema, "torch_rng": torch.get_rng_state(),
+                             "world": self.dist.world, "parallel": self.cfg.train.parallel}
+                    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+                    with open(os.path.join(tmp, "config.json"), "w") as f:
+                        json.dump(to_dict(self.cfg), f, indent=2)
+            if self.dist.main:
+                ckpt.prune(os.path.dirname(path), self.cfg.log.keep_checkpoints)
         finally:
             self._swap_ema()
         self.dist.barrier()
@@ -397,16 +404,21 @@ class Trainer:
         if path is None:
             return False
         state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
-        if state["optimizer"] is None:
-            raise ValueError(f"{path} was written by an FSDP run, whose optimizer state is sharded and not saved: "
-                             f"resuming it exactly is not supported yet; start a new run from {path}/policy")
+        sharded = state["optimizer"] is None
+        if sharded and (state.get("world") != self.dist.world or self.cfg.train.parallel != "fsdp"):
+            raise ValueError(f"{path} was written by an FSDP run on {state.get('world')} processes; its optimizer "
+                             f"state is sharded: resume it with train.parallel=fsdp on as many processes")
         with torch.no_grad():
             for p, v in zip(self.params, state["params"]):
-                p.copy_(v)
-        if state["ema"] is not None and self.ema is not None:
-            for e, v in zip(self.ema, state["ema"]):
-                e.copy_(v)
-        self.opt.load_state_dict(state["optimizer"])
+                p.copy_(shard_like(v, p))
+            if state["ema"] is not None and self.ema is not None:
+                for e, v in zip(self.ema, state["ema"]):
+                    e.copy_(shard_like(v, e))
+        if sharded:
+            opt = torch.load(os.path.join(path, f"optimizer-rank{self.dist.rank}.pt"), weights_only=True)
+            self.opt.load_state_dict(from_local_state(opt, self.params))
+        else:
+            self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.iteration = state["iteration"]
         log.info("resumed from %s at iteration %d", path, self.iteration)

@@ -49,6 +49,13 @@ def test_ddp_and_fsdp_end_where_one_process_ends(tiny_pixel_model, tmp_path):
         got = load_file(tmp_path / f"{mode}.safetensors")
         diff = max((single[k] - got[k]).abs().max().item() for k in single)
         assert diff < 1e-6, f"{mode}: parameters differ from the single-process run by {diff}"
+    # an FSDP run saved after 2 iterations and resumed by a new trainer (optimizer shards per rank) ends where
+    # the uninterrupted run ends
+    r = run(tiny_pixel_model, str(tmp_path / "resumed.safetensors"), "--parallel", "fsdp", "--steps", "3",
+            "--resume-at", "2", procs=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed, straight = load_file(tmp_path / "resumed.safetensors"), load_file(tmp_path / "fsdp.safetensors")
+    assert max((resumed[k] - straight[k]).abs().max().item() for k in straight) == 0.0
     # the FSDP checkpoint holds whole tensors and loads as a policy with the trained weights
     from mmrl.policy.flow import load_policy_checkpoint
 

@@ -24,6 +24,7 @@ def main():
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--desync", action="store_true")
     p.add_argument("--save", action="store_true", help="also write a checkpoint (gathers FSDP shards)")
+    p.add_argument("--resume-at", type=int, default=0, help="save after this many steps, resume in a new trainer")
     p.add_argument("--world", default=None, help="token policy: MODEL is a tiny Qwen-VL, WORLD a grounding world")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -33,7 +34,7 @@ def main():
     from mmrl.distributed import full
     from mmrl.trainer import Trainer
 
-    common = [f"model.path={args.model}", f"log.out_dir={os.path.dirname(args.out)}/run-{args.parallel}",
+    common = [f"model.path={args.model}", f"log.out_dir={os.path.dirname(args.out)}/run-{args.parallel}{'-resume' if args.resume_at else ''}",
               "log.tensorboard=false", "log.eval_at_start=false", f"train.parallel={args.parallel}",
               "model.reference=none", "train.minibatches=2"]
     if args.world:
@@ -42,8 +43,17 @@ def main():
         cfg = load_config(os.path.join(ROOT, "configs/tiny/flow_smoke.yaml"),
                           common + ["train.prompts_per_iter=3", "train.group_size=4"])
     tr = Trainer(cfg)
-    for it in range(args.steps):
+    for it in range(args.resume_at or args.steps):
+        tr.iteration = it  # as Trainer.fit does
         m = tr.step(it)
+    if args.resume_at:  # a checkpoint, then a fresh trainer that resumes from it and finishes the run
+        tr.iteration = args.resume_at
+        tr.save()
+        tr = Trainer(cfg)
+        assert tr.resume() and tr.iteration == args.resume_at
+        for it in range(args.resume_at, args.steps):
+            tr.iteration = it
+            m = tr.step(it)
     if args.save:
         tr.iteration = args.steps
         tr.save()
