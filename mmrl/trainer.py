@@ -131,8 +131,7 @@ class Trainer:
         metrics.update(injection_diagnostics(shaped, rollout.group_id, valid, rollout.is_offpolicy, adv_fn))
         metrics.update(self._per_category(rollout, rewards, valid))
         if self.dist.world > 1:  # back to this rank's rows
-            rows, rollout, valid = self._local_rows, *local
-            adv, self._row_actions = adv[rows], rollout.extras.pop("_row_actions_all")
+            (rollout, valid), adv = local, adv[self._local_rows]
             rollout.action_mask &= valid.unsqueeze(-1)
         with self.timer("train"):
             metrics.update(self.optimize(rollout, adv))
@@ -223,22 +222,19 @@ class Trainer:
         return ro
 
     def _gathered(self, rollout: Rollout, rewards: dict, valid: torch.Tensor):
-        """Every rank's rows (rank order) for the advantages; remembers this rank's rows and the actions each
-        row trains (after masking invalid rows) for the loss normalization."""
+        """Every rank's rows (rank order), as what the advantages and the reward metrics read: a Rollout of
+        group ids, off-policy flags and categories (no actions), the rewards and the valid mask. Remembers this
+        rank's global rows and every row's trained-action count (the loss normalization)."""
         d = self.dist
         n = len(rollout)
-        counts = d.gather(torch.tensor([n])).tolist()
-        off = sum(counts[:d.rank])
+        off = sum(d.gather(torch.tensor([n])).tolist()[:d.rank])
         self._local_rows = torch.arange(off, off + n)
-        row_actions = d.gather((rollout.action_mask & valid.unsqueeze(-1)).sum(-1))   # [N]
-        full_valid = d.gather(valid)
-        rows = Rollout(group_id=d.gather(rollout.group_id), old_log_prob=torch.zeros(len(full_valid), 0),
-                       action_mask=torch.zeros(len(full_valid), 0, dtype=torch.bool),
-                       examples=[{"category": c} for c in d.gather_list([e.get("category") for e in rollout.examples])],
-                       outputs=None,
-                       is_offpolicy=d.gather(rollout.is_offpolicy))
-        rollout.extras["_row_actions_all"] = row_actions
-        return rows, {k: d.gather(v) for k, v in rewards.items()}, full_valid
+        self._row_actions = d.gather((rollout.action_mask & valid.unsqueeze(-1)).sum(-1))   # [N]
+        everyone = Rollout(group_id=d.gather(rollout.group_id), old_log_prob=torch.zeros(self._row_actions.shape[0], 0),
+                           action_mask=torch.zeros(self._row_actions.shape[0], 0, dtype=torch.bool),
+                           examples=[{"category": c} for c in d.gather_list([e.get("category") for e in rollout.examples])],
+                           outputs=None, is_offpolicy=d.gather(rollout.is_offpolicy))
+        return everyone, {k: d.gather(v) for k, v in rewards.items()}, d.gather(valid)
 
     def _check_parallel_config(self) -> None:
         cfg = self.cfg
