@@ -66,11 +66,7 @@ class Distributed:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate [n_r, ...] tensors of every rank in rank order (n_r may differ)."""
-        if self.world == 1:
-            return x
-        parts = [None] * self.world
-        dist.all_gather_object(parts, x.cpu())
-        return torch.cat(parts).to(x.device)
+        return x if self.world == 1 else torch.cat(self.gather_list([x.cpu()])).to(x.device)
 
     def gather_list(self, items: list) -> list:
         """Concatenate every rank's list (picklable items) in rank order."""

@@ -246,7 +246,6 @@ class Trainer:
             raise ValueError(f"prompts_per_iter * group_size = {n} rows for {self.dist.world} processes")
 
     def optimize(self, rollout: Rollout, adv: torch.Tensor) -> dict:
-        cfg, t, a = self.cfg, self.cfg.train, self.cfg.algo
         if self.dist.world > 1:
             return self._optimize(rollout, adv, self._local_rows, self._row_actions)
         return self._optimize(rollout, adv, torch.arange(len(rollout)), rollout.action_mask.sum(-1))

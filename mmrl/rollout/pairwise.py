@@ -58,7 +58,11 @@ class PairwiseReward:
         self.failed_pairs = 0
 
     def compare(self, outputs, examples: list, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        """Verdicts [P] for the pairs (i, j), in batches of batch_size."""
+        """Verdicts [P] for the pairs (i, j), in batches of batch_size. A judge built on a pointwise score
+        (`score` + `verdict`) scores each sample once, not once per pair it takes part in (G - 1 times)."""
+        if hasattr(self.judge, "score"):
+            s = self.judge.score(outputs, examples)                                   # [N]
+            return self.judge.verdict(s[i], s[j])  # antisymmetric: the symmetric average is the same
         out = []
         for s in range(0, len(i), self.batch_size):
             a, b = i[s:s + self.batch_size], j[s:s + self.batch_size]
@@ -110,11 +114,16 @@ class ScoreJudge:
     def __init__(self, reward, key: str = "overall", margin: float = 0.0):
         self.reward, self.key, self.margin = reward, key, margin
 
-    def __call__(self, outputs_a, outputs_b, examples) -> torch.Tensor:
-        sa = torch.as_tensor(self.reward(outputs_a, examples)[self.key], dtype=torch.float32)
-        sb = torch.as_tensor(self.reward(outputs_b, examples)[self.key], dtype=torch.float32)
+    def score(self, outputs, examples) -> torch.Tensor:
+        return torch.as_tensor(self.reward(outputs, examples)[self.key], dtype=torch.float32)
+
+    def verdict(self, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+        """+1 / -1 / 0 from two scores; a NaN score gives NaN (the pair is not counted)."""
         d = sa - sb
         return torch.where(d.abs() <= self.margin, torch.zeros_like(d), d.sign())
+
+    def __call__(self, outputs_a, outputs_b, examples) -> torch.Tensor:
+        return self.verdict(self.score(outputs_a, examples), self.score(outputs_b, examples))
 
 
 class RuleJudge:
