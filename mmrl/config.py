@@ -146,6 +146,9 @@ class TrainConfig:
     minibatches: int = 1          # minibatches per epoch (optimizer steps = minibatches / grad_accum)
     grad_accum: int = 1
     lr: float = 1e-4
+    lr_warmup: int = 0            # iterations of linear warm-up from 0
+    lr_cooldown: float = 0.0      # last fraction of the run (by iterations, or by time_budget_min when that
+                                  # ends it first) over which the lr decays linearly to 0; 0 = constant lr
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     ema_decay: float = 0.0        # 0 = off; else EMA of trainable weights, used for eval and saved

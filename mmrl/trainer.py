@@ -66,6 +66,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.ema = [p.detach().clone() for p in self.params] if cfg.train.ema_decay > 0 else None
         self.iteration = 0
+        self.elapsed_min = 0.0  # training minutes so far (saved: a resumed run keeps its budget and lr schedule)
         # One optimizer step per epoch: every row's first forward runs under the sampling weights, so the
         # rollout's old log-probs are that forward's (detached) values; policies that must pay an extra
         # forward for them (token policies) skip it.
@@ -80,16 +81,21 @@ class Trainer:
         results = {}
         if cfg.log.eval_at_start and self.iteration == 0:
             results["eval_start"] = self.evaluate(0)
-        t_start = time.time()
+        t_start = time.time() - 60 * self.elapsed_min  # a resumed run continues its time budget
         bar = tqdm(range(self.iteration, t.iterations), desc="train", disable=not cfg.log.progress,
                    initial=self.iteration, total=t.iterations)
         for it in bar:
             self.iteration = it
+            scale = lr_scale(it, t.iterations, self.elapsed_min, t.time_budget_min, t.lr_warmup, t.lr_cooldown)
+            for g in self.opt.param_groups:
+                g["lr"] = t.lr * scale
             metrics = self.step(it)
+            metrics["train/lr"] = t.lr * scale
             self.iteration = it + 1
+            self.elapsed_min = (time.time() - t_start) / 60
             bar.set_postfix(reward=f"{metrics['reward/overall_mean']:.3f}")
             self.logger.scalars(it, metrics)
-            out_of_time = t.time_budget_min > 0 and (time.time() - t_start) / 60 >= t.time_budget_min
+            out_of_time = t.time_budget_min > 0 and self.elapsed_min >= t.time_budget_min
             last = self.iteration == t.iterations or out_of_time
             if cfg.log.eval_every and self.iteration % cfg.log.eval_every == 0 and not last:
                 self.evaluate(self.iteration)
@@ -381,6 +387,7 @@ class Trainer:
                     self.policy.save_pretrained(os.path.join(tmp, "policy"))
                     state = {"iteration": self.iteration, "optimizer": None if fsdp else self.opt.state_dict(),
                              "params": params, "ema": ema, "torch_rng": torch.get_rng_state(),
+                             "elapsed_min": self.elapsed_min,
                              "world": self.dist.world, "parallel": self.cfg.train.parallel}
                     torch.save(state, os.path.join(tmp, "trainer_state.pt"))
                     with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -416,8 +423,20 @@ class Trainer:
             self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.iteration = state["iteration"]
+        self.elapsed_min = state.get("elapsed_min", 0.0)
         log.info("resumed from %s at iteration %d", path, self.iteration)
         return True
+
+
+def lr_scale(it: int, iterations: int, elapsed_min: float, budget_min: float, warmup: int, cooldown: float) -> float:
+    """Learning-rate multiplier at iteration `it`: linear warm-up over `warmup` iterations, then constant, then a
+    linear decay to 0 over the last `cooldown` fraction of the run. Progress is the larger of it / iterations and
+    elapsed / budget (when a time budget is set), so a time-budgeted run cools down before its budget ends."""
+    scale = min(1.0, (it + 1) / warmup) if warmup > 0 else 1.0
+    if cooldown > 0:
+        progress = max(it / iterations, elapsed_min / budget_min if budget_min > 0 else 0.0)
+        scale *= min(1.0, max(0.0, 1.0 - progress) / cooldown)
+    return scale
 
 
 def train(cfg: Config, resume: bool = False) -> dict:

@@ -1,13 +1,18 @@
 """Time per GRPO step: mmrl's trainer vs TRL's GRPOTrainer on the same small Qwen2.5-VL with image inputs.
 
 Both start from the same saved model folder (a random-init Qwen2_5_VLForConditionalGeneration built locally,
-no hub), get the same prompts and 56x56 images, the same group size G, prompts per step P (P * G completions),
-completion length L, sampling temperature, learning rate and reward (shorter is better, TRL's example
+no hub), get the same prompts and images (--image-size, default 224x224: 64 visual tokens), the same group
+size G, prompts per step P (P * G completions), completion length L, sampling temperature, learning rate and reward (shorter is better, TRL's example
 reward), one optimizer step per generation round and no KL term. A step = generation + reward + log-probs +
 forward/backward + optimizer step. Runs alternate (TRL, mmrl) in one process; the first step of each is a
 warm-up and is not counted.
 
-    python scripts/bench_vlm_step.py            # P 4, G 8, L 32, 4 timed steps each
+Where the time goes: decoding costs both frameworks the same per-token forwards; mmrl saves on the prompt
+(each prompt and its image run once per group, in sampling and in scoring). So the ratio falls as the image
+grows: with 56x56 images (4 visual tokens) decoding is most of a step and the ratio is near 0.7.
+
+    python scripts/bench_vlm_step.py            # P 4, G 8, L 32, 224 px, 4 timed steps each
+    python scripts/bench_vlm_step.py --image-size 56
     python scripts/bench_vlm_step.py --quick    # P 2, G 4, L 16, 2 timed steps each
 
 The last line is one JSON object: median seconds per step for each, and the ratio mmrl / TRL.
@@ -37,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--length", type=int, default=32, help="L: max completion tokens")
     p.add_argument("--steps", type=int, default=4, help="timed steps per framework (after one warm-up)")
     p.add_argument("--size", default="small", choices=["tiny", "small"])
+    p.add_argument("--image-size", type=int, default=224,
+                   help="image side in pixels (56: 4 visual tokens; 224: 64; 448: 256)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
@@ -45,7 +52,7 @@ def parse_args(argv=None):
     return args
 
 
-def build_model_folder(path: str, size: str) -> None:
+def build_model_folder(path: str, size: str, image_size: int = 56) -> None:
     import torch
 
     from mmrl.models.qwen_vl import build_model, build_processor, build_tokenizer
@@ -53,15 +60,15 @@ def build_model_folder(path: str, size: str) -> None:
     torch.manual_seed(0)
     tok = build_tokenizer([PROMPT, "a red circle on gray", "a blue square"])
     build_model("qwen2_5_vl", tok, size).save_pretrained(path)
-    build_processor("qwen2_5_vl", tok).save_pretrained(path)
+    build_processor("qwen2_5_vl", tok, frame_pixels=image_size * image_size).save_pretrained(path)
 
 
-def images(n: int):
+def images(n: int, size: int = 56):
     import numpy as np
     from PIL import Image
 
     rng = np.random.default_rng(0)
-    return [Image.fromarray(rng.integers(0, 255, (56, 56, 3), dtype=np.uint8)) for _ in range(n)]
+    return [Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)) for _ in range(n)]
 
 
 def length_reward(completions, **_):
@@ -153,13 +160,13 @@ def main(argv=None):
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as d:
-        build_model_folder(d, args.size)
-        imgs = images(args.prompts * (args.steps + 1))
+        build_model_folder(d, args.size, args.image_size)
+        imgs = images(args.prompts * (args.steps + 1), args.image_size)
         trl_times, trl_len = run_trl(d, args, imgs)
         mmrl_times, mmrl_len = run_mmrl(d, args, imgs)
     trl_s, mmrl_s = statistics.median(trl_times), statistics.median(mmrl_times)
     res = {"model": f"Qwen2_5_VLForConditionalGeneration ({args.size})", "prompts": args.prompts,
-           "group": args.group, "max_completion": args.length, "threads": args.threads,
+           "group": args.group, "max_completion": args.length, "image_size": args.image_size, "threads": args.threads,
            "trl_s_per_step": round(trl_s, 3), "mmrl_s_per_step": round(mmrl_s, 3),
            "ratio_mmrl_over_trl": round(mmrl_s / trl_s, 3), "trl_steps": [round(t, 3) for t in trl_times],
            "mmrl_steps": [round(t, 3) for t in mmrl_times], "trl_mean_completion": round(trl_len, 1),

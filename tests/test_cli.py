@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,13 +39,16 @@ def full_and_resumed(common, tmp_path):
 
 
 def test_smoke_train_and_resume_bit_identical(tiny_pixel_model, tmp_path):
-    common = ["configs/tiny/flow_smoke.yaml", f"model.path={tiny_pixel_model}", "train.ema_decay=0.9"]
+    common = ["configs/tiny/flow_smoke.yaml", f"model.path={tiny_pixel_model}", "train.ema_decay=0.9",
+              "train.lr_warmup=2", "train.lr_cooldown=0.5", "train.lr=1e-4"]
     stdout, full, a, b = full_and_resumed(common, tmp_path)
     res = json.loads(stdout.strip().splitlines()[-1])
     assert res["iterations"] == 3 and 0.0 <= res["eval_end"]["strict"] <= 1.0
     lines = [json.loads(ln) for ln in open(os.path.join(full, "metrics.jsonl"))]
     train_lines = [ln for ln in lines if "reward/overall_mean" in ln]
     assert len(train_lines) == 3 and all("train/clip_frac" in ln and "ratio_per_action/0" in ln for ln in train_lines)
+    # warm-up over 2 iterations, then a linear decay over the last half of 3: 1/2, min(1, (2/3)/0.5), (1/3)/0.5
+    assert [ln["train/lr"] for ln in train_lines] == pytest.approx([0.5e-4, 1e-4, 2 / 3 * 1e-4])
     assert os.listdir(os.path.join(full, "tb"))  # TensorBoard event files
     for x, y in zip(a["params"] + a["ema"], b["params"] + b["ema"]):
         assert torch.equal(x, y)

@@ -5,7 +5,7 @@ import torch
 
 from mmrl.config import load_config
 from mmrl.reward import REWARDS
-from mmrl.trainer import Trainer
+from mmrl.trainer import Trainer, lr_scale
 
 
 @REWARDS.register("test_flaky")
@@ -138,3 +138,12 @@ def test_pairwise_multi_gdpo_remote_and_overlap_through_the_trainer(tiny_pixel_m
 def test_reward_config_errors_name_the_fix(tiny_pixel_model, tmp_path, items, match):
     with pytest.raises(ValueError, match=match):
         cfg_for(tiny_pixel_model, tmp_path, *items)
+
+
+def test_lr_scale_by_hand():
+    assert lr_scale(0, 100, 0.0, 0.0, 10, 0.0) == pytest.approx(0.1)        # warm-up: (0 + 1) / 10
+    assert lr_scale(9, 100, 0.0, 0.0, 10, 0.0) == 1.0
+    assert lr_scale(50, 100, 0.0, 0.0, 0, 0.2) == 1.0                      # before the cool-down
+    assert lr_scale(90, 100, 0.0, 0.0, 0, 0.2) == pytest.approx(0.5)       # (1 - 0.9) / 0.2
+    assert lr_scale(5, 1000, 7.2, 8.0, 0, 0.2) == pytest.approx(0.5)       # the time budget ends it first
+    assert lr_scale(5, 1000, 9.0, 8.0, 0, 0.2) == 0.0                      # past the budget: never negative
