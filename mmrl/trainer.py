@@ -86,11 +86,11 @@ class Trainer:
                    initial=self.iteration, total=t.iterations)
         for it in bar:
             self.iteration = it
-            scale = lr_scale(it, t.iterations, self.elapsed_min, t.time_budget_min, t.lr_warmup, t.lr_cooldown)
+            lr = t.lr * lr_scale(it, t.iterations, self.elapsed_min, t.time_budget_min, t.lr_warmup, t.lr_cooldown)
             for g in self.opt.param_groups:
-                g["lr"] = t.lr * scale
+                g["lr"] = lr
             metrics = self.step(it)
-            metrics["train/lr"] = t.lr * scale
+            metrics["train/lr"] = lr
             self.iteration = it + 1
             self.elapsed_min = (time.time() - t_start) / 60
             bar.set_postfix(reward=f"{metrics['reward/overall_mean']:.3f}")

@@ -2,10 +2,10 @@
 
 Both start from the same saved model folder (a random-init Qwen2_5_VLForConditionalGeneration built locally,
 no hub), get the same prompts and images (--image-size, default 224x224: 64 visual tokens), the same group
-size G, prompts per step P (P * G completions), completion length L, sampling temperature, learning rate and reward (shorter is better, TRL's example
-reward), one optimizer step per generation round and no KL term. A step = generation + reward + log-probs +
-forward/backward + optimizer step. Runs alternate (TRL, mmrl) in one process; the first step of each is a
-warm-up and is not counted.
+size G, prompts per step P (P * G completions), completion length L, sampling temperature, learning rate and
+reward (shorter is better, TRL's example reward), one optimizer step per generation round and no KL term. A
+step = generation + reward + log-probs + forward/backward + optimizer step. Runs alternate (TRL, mmrl) in one
+process; the first step of each is a warm-up and is not counted.
 
 Where the time goes: decoding costs both frameworks the same per-token forwards; mmrl saves on the prompt
 (each prompt and its image run once per group, in sampling and in scoring). So the ratio falls as the image
@@ -52,7 +52,7 @@ def parse_args(argv=None):
     return args
 
 
-def build_model_folder(path: str, size: str, image_size: int = 56) -> None:
+def build_model_folder(path: str, size: str, image_size: int) -> None:
     import torch
 
     from mmrl.models.qwen_vl import build_model, build_processor, build_tokenizer
@@ -63,7 +63,7 @@ def build_model_folder(path: str, size: str, image_size: int = 56) -> None:
     build_processor("qwen2_5_vl", tok, frame_pixels=image_size * image_size).save_pretrained(path)
 
 
-def images(n: int, size: int = 56):
+def images(n: int, size: int):
     import numpy as np
     from PIL import Image
 
@@ -166,7 +166,8 @@ def main(argv=None):
         mmrl_times, mmrl_len = run_mmrl(d, args, imgs)
     trl_s, mmrl_s = statistics.median(trl_times), statistics.median(mmrl_times)
     res = {"model": f"Qwen2_5_VLForConditionalGeneration ({args.size})", "prompts": args.prompts,
-           "group": args.group, "max_completion": args.length, "image_size": args.image_size, "threads": args.threads,
+           "group": args.group, "max_completion": args.length, "image_size": args.image_size,
+           "threads": args.threads,
            "trl_s_per_step": round(trl_s, 3), "mmrl_s_per_step": round(mmrl_s, 3),
            "ratio_mmrl_over_trl": round(mmrl_s / trl_s, 3), "trl_steps": [round(t, 3) for t in trl_times],
            "mmrl_steps": [round(t, 3) for t in mmrl_times], "trl_mean_completion": round(trl_len, 1),

@@ -88,6 +88,21 @@ def test_a_judge_that_raises_on_one_pair_loses_only_that_pair():
     assert r["comparisons"].tolist() == [2, 1, 1]
 
 
+def test_a_score_judge_that_raises_loses_only_the_failing_pairs():
+    """The score judge scores a whole group at once; when that raises, pairs are judged one by one as for any
+    judge, so only the pairs with the failing sample (here the one scoring exactly 3) are lost."""
+    def fragile(outputs, examples):
+        if (outputs[:, 0] == 3).any():
+            raise RuntimeError("scorer crashed")
+        return score_reward(outputs, examples)
+
+    pr = PairwiseReward(ScoreJudge(fragile))
+    r = pr(torch.tensor([[1.0], [2.0], [3.0]]), [{"prompt": "p"}] * 3, torch.zeros(3, dtype=torch.long))
+    assert pr.failed_pairs == 2
+    assert r["comparisons"].tolist() == [1, 1, 0]
+    torch.testing.assert_close(r["overall"][:2], torch.tensor([0.0, 1.0]))
+
+
 def test_runner_passes_groups_and_never_rescoring_one_by_one():
     calls = []
 

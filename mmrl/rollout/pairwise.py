@@ -61,8 +61,11 @@ class PairwiseReward:
         """Verdicts [P] for the pairs (i, j), in batches of batch_size. A judge built on a pointwise score
         (`score` + `verdict`) scores each sample once, not once per pair it takes part in (G - 1 times)."""
         if hasattr(self.judge, "score"):
-            s = self.judge.score(outputs, examples)                                   # [N]
-            return self.judge.verdict(s[i], s[j])  # antisymmetric: the symmetric average is the same
+            try:
+                scores = self.judge.score(outputs, examples)                          # [N]
+                return self.judge.verdict(scores[i], scores[j])  # antisymmetric: symmetric averaging changes nothing
+            except Exception as e:  # noqa: BLE001 - pair by pair below, so only the failing pairs are lost
+                log.warning("score judge raised on %d samples (%s: %s); judging pairs", len(examples), type(e).__name__, e)
         out = []
         for s in range(0, len(i), self.batch_size):
             a, b = i[s:s + self.batch_size], j[s:s + self.batch_size]
