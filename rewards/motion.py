@@ -7,6 +7,8 @@ Over the frames where it is found:
 - progress  min(1, d_par / target): d_par = the net displacement projected on the asked direction (pixels),
             target = `target_frac` of the frame size;
 - smooth    fraction of consecutive found frames whose step projects positively on the direction;
+- along     d_par / frame size, signed (a diagnostic, not paid: its mean over prompts is ~0 for a model whose
+            motion ignores the asked direction, and TRAVEL = 0.5 on rendered clips);
 - correct   (the benchmark's motion accuracy, 0/1): found >= 0.75, d_par >= `min_frac` of the frame size and
             the sideways displacement <= d_par / 2.
 overall = correct_weight * correct + (1 - correct_weight) * found * (progress + smooth) / 2.
@@ -45,7 +47,7 @@ def score(centroids: np.ndarray, direction: str, size: int, target_frac: float =
     found = float(ok.mean())
     c = centroids[ok]
     if len(c) < 2:
-        return {"correct": 0.0, "found": found, "progress": 0.0, "smooth": 0.0}
+        return {"correct": 0.0, "found": found, "progress": 0.0, "smooth": 0.0, "along": 0.0}
     u = np.array(DIRECTIONS[direction], dtype=np.float32)
     side = np.array([-u[1], u[0]], dtype=np.float32)
     disp = c[-1] - c[0]
@@ -54,12 +56,12 @@ def score(centroids: np.ndarray, direction: str, size: int, target_frac: float =
     smooth = float((steps > 0).mean())
     correct = float(found >= 0.75 and d_par >= min_frac * size and d_side <= d_par / 2)
     return {"correct": correct, "found": found, "progress": float(np.clip(d_par / (target_frac * size), 0, 1)),
-            "smooth": smooth}
+            "smooth": smooth, "along": d_par / size}
 
 
 class MotionReward:
     """Reward callable `(videos [N, 3, F, H, W] in [-1, 1], examples) -> {"overall", "correct", "found",
-    "progress", "smooth": [N]}`; examples are prompt texts or dicts with a "prompt" key."""
+    "progress", "smooth", "along": [N]}`; examples are prompt texts or dicts with a "prompt" key."""
 
     def __init__(self, correct_weight: float = 0.5, min_area: int = 3):
         if not 0.0 <= correct_weight <= 1.0:

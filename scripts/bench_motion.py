@@ -4,8 +4,9 @@
     python scripts/bench_motion.py tasks/assets/motion-base --quick
 
 Prints motion accuracy (the tracker's `correct`: the object found in >= 75% of frames and moved >= 1/4 of the
-frame in the asked direction) and the reward components overall and per direction; the last line is one JSON
-object. The prompts are `tasks.motion.balanced_prompts("heldout", n, seed=1234)`: texts GRPO never trains on.
+frame in the asked direction), the mean displacement along the asked direction (0 when the direction word does
+not steer the motion, 0.5 on rendered clips) and the reward components overall and per direction; the last line is
+one JSON object. The prompts are `tasks.motion.balanced_prompts("heldout", n, seed=1234)`: texts GRPO never trains on.
 """
 
 import os
@@ -18,7 +19,8 @@ from mmrl.evaluation import flow_bench_main  # noqa: E402
 
 def describe(res: dict) -> str:
     dirs = " ".join(f"{d}={r['correct']:.3f}" for d, r in res["per_category"].items())
-    return f"motion accuracy {res['correct']:.4f} overall reward {res['overall']:.4f} (n={res['n']}) | {dirs}"
+    return (f"motion accuracy {res['correct']:.4f} overall reward {res['overall']:.4f} displacement along the asked "
+            f"direction {res['along']:+.3f} of the frame (n={res['n']}) | {dirs}")
 
 
 def main(argv=None):

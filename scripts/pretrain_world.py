@@ -1,16 +1,18 @@
-"""Pretrain the shapes-world base model by flow matching on rendered images (CPU is fine; GPU if present).
+"""Pretrain an embedded world's base model by flow matching on rendered images or clips (CPU is fine; GPU if
+present). Reproduces the committed base checkpoints (see README for their exact histories):
 
-Reproduces the committed base checkpoint `tasks/assets/shapes-base` (see README):
+    python scripts/pretrain_world.py --world shapes --minutes 90 --out tasks/assets/shapes-base
+    python scripts/pretrain_world.py --world motion --minutes 140 --batch 32 --lr 5e-4 --out tasks/assets/motion-base
 
-    python scripts/pretrain_shapes.py --minutes 90 --out tasks/assets/shapes-base
-
-Trains the pixel-space SD3Transformer2DModel and its CLIP text encoder jointly from scratch on the TRAIN texts
-of tasks/shapes.py (held-out texts are never seen; categories sampled equally), 10% of prompts dropped to ""
-for classifier-free guidance, logit-normal sigmas (SD3), the loss on the velocity whatever the transformer
-predicts (`--prediction sample` is JiT-style x-prediction), EMA weights saved. The learning rate warms up,
-stays constant, and cools down linearly to 0 over the last `--cooldown` fraction of `--minutes`. Every --eval-every minutes the EMA model is scored
-on held-out prompts (ODE sampling, CFG) and the folder is rewritten atomically; Ctrl-C stops and keeps the
-last save. `--resume` continues from the training state beside the output folder.
+Trains the pixel-space transformer (SD3Transformer2DModel for shapes, WanTransformer3DModel for motion) and its
+CLIP text encoder jointly from scratch on the world's TRAIN texts (held-out texts are never seen; categories or
+directions sampled equally), 10% of prompts dropped to "" for classifier-free guidance, logit-normal sigmas
+(SD3; `--logit-mean` > 0 trains more on high noise, where a clip's layout and motion are decided), the loss on
+the velocity whatever the transformer predicts (`--prediction sample` is JiT-style x-prediction), EMA weights
+saved. The learning rate warms up, stays constant, and cools down linearly to 0 over the last `--cooldown`
+fraction of `--minutes`. Every --eval-every minutes the EMA model is scored on held-out prompts (ODE sampling)
+and the folder is rewritten atomically; Ctrl-C stops and keeps the last save. `--resume` continues from the
+training state beside the output folder; `--init` starts from a saved model's weights.
 """
 
 from __future__ import annotations
@@ -79,6 +81,10 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ema", type=float, default=0.999)
     p.add_argument("--cond-drop", type=float, default=0.1)
+    p.add_argument("--logit-mean", type=float, default=0.0,
+                   help="location of the logit-normal sigma distribution (SD3: 0; > 0 trains more on high noise, "
+                   "where a clip's layout and motion are decided)")
+    p.add_argument("--logit-std", type=float, default=1.0, help="scale of the logit-normal sigma distribution")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=float, default=10.0, help="minutes between evals/saves")
@@ -136,7 +142,8 @@ def main(argv=None):
             x0 = x0.to(device)
             texts = ["" if rng.random() < args.cond_drop else t for t in texts]
             enc, pooled = encode(texts)
-            sigma = torch.sigmoid(torch.randn(args.batch, device=device))  # logit-normal (SD3)
+            z = args.logit_mean + args.logit_std * torch.randn(args.batch, device=device)
+            sigma = torch.sigmoid(z)  # logit-normal (SD3)
             eps = torch.randn_like(x0)
             s4 = sigma.view(-1, *[1] * (x0.dim() - 1))
             xt = (1 - s4) * x0 + s4 * eps
@@ -180,6 +187,7 @@ def save(args, parts, ema_tr, ema_te, params, ema_params, opt, step, elapsed, rn
         with open(os.path.join(tmp, "pretrain_info.json"), "w") as f:
             json.dump({"step": step, "minutes": round(elapsed / 60, 2), "batch": args.batch, "lr": args.lr,
                        "ema": args.ema, "seed": args.seed, "prediction": args.prediction,
+                       "logit_mean": args.logit_mean, "logit_std": args.logit_std,
                        "command": " ".join(sys.argv)}, f, indent=2)
     st = {"params": [p.detach().cpu() for p in params], "ema": [p.detach().cpu() for p in ema_params],
           "opt": opt.state_dict(), "step": step, "elapsed": elapsed, "rng": list(rng.getstate())}

@@ -33,7 +33,9 @@ def test_reward_exact_on_rendered_clips():
     ps = M.all_prompts()[::3]
     clips = torch.stack([M.render(p.spec, rng=rng) for p in ps])
     texts = [p.text for p in ps]
-    assert MotionReward()(clips, texts)["correct"].tolist() == [1.0] * len(ps)
+    out = MotionReward()(clips, texts)
+    assert out["correct"].tolist() == [1.0] * len(ps)
+    assert out["along"].mean().item() == pytest.approx(M.TRAVEL, abs=0.02)  # the tracked path is the drawn one
     for flip in (clips.flip(2), clips[:, :, :1].expand_as(clips)):  # reversed, static
         assert MotionReward()(flip, texts)["correct"].sum() == 0
     wrong = [t.replace(p.spec.direction, {"left": "up", "right": "down", "up": "right", "down": "left"}[p.spec.direction])
@@ -45,13 +47,13 @@ def test_score_by_hand():
     # found in 4 of 4 frames, moving right by 1, 1, 3 px: net +5 px on a 16-px frame, 1 px sideways
     c = np.array([[2, 5], [3, 5], [4, 5], [7, 6]], dtype=np.float32)
     s = score(c, "right", 16)
-    assert s == {"correct": 1.0, "found": 1.0, "progress": pytest.approx(5 / 6.4), "smooth": 1.0}
+    assert s == {"correct": 1.0, "found": 1.0, "progress": pytest.approx(5 / 6.4), "smooth": 1.0, "along": 5 / 16}
     c[2] = [1, 5]  # a step back: smooth 2/3; still net +5
     assert score(c, "right", 16)["smooth"] == pytest.approx(2 / 3)
     c[1:3] = np.nan  # found in half the frames: not correct
     s = score(c, "right", 16)
     assert s["found"] == 0.5 and s["correct"] == 0.0
-    assert score(c, "left", 16)["progress"] == 0.0
+    assert score(c, "left", 16)["progress"] == 0.0 and score(c, "left", 16)["along"] == -5 / 16
     r = MotionReward(correct_weight=0.5)
     out = r(torch.zeros(1, 3, 4, 8, 8), ["a red circle moving up"])  # gray: nothing found
     assert out["overall"].item() == 0.0 and out["found"].item() == 0.0
