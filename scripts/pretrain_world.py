@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mmrl.checkpoint import atomic_dir
-from mmrl.models.pipelines import sd3_call, wan_call
+from mmrl.models.pipelines import sd3_call, wan_call, wan_coord_call
 from mmrl.models.pixel_t2i import build_pipeline_parts, save_pipeline_parts
 from mmrl.policy.flow_model import FlowModel, make_clip_encoder, velocity_from_prediction
 
@@ -74,6 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--size", default="small", choices=["small", "tiny"])
     p.add_argument("--image-size", type=int, default=None, help="frame size (default: shapes 36, motion 16)")
     p.add_argument("--patch", type=int, default=4, help="transformer patch size (pixels per token side)")
+    p.add_argument("--coordinates", action="store_true",
+                   help="video model: 3 coordinate input channels (absolute frame, row, column; see wan_coord_call)")
     p.add_argument("--prediction", default="velocity", choices=["velocity", "sample"],
                    help="what the transformer outputs (the loss is on the velocity either way)")
     p.add_argument("--cooldown", type=float, default=0.2, help="fraction of --minutes with the lr decaying to 0")
@@ -103,8 +105,9 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     world = World(args.world, args.image_size or (36 if args.world == "shapes" else 16))
     words = sorted({w for p in world.mod.all_prompts() for w in p.text.split()})
-    parts = build_pipeline_parts(words, args.size, world.size, patch_size=args.patch, frames=world.frames)
-    call = wan_call if world.frames else sd3_call
+    parts = build_pipeline_parts(words, args.size, world.size, patch_size=args.patch, frames=world.frames,
+                                 coordinates=args.coordinates)
+    call = (wan_coord_call if args.coordinates else wan_call) if world.frames else sd3_call
     te, tr = parts["text_encoder"].to(device), parts["transformer"].to(device)
     params = list(tr.parameters()) + list(te.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -188,6 +191,7 @@ def save(args, parts, ema_tr, ema_te, params, ema_params, opt, step, elapsed, rn
             json.dump({"step": step, "minutes": round(elapsed / 60, 2), "batch": args.batch, "lr": args.lr,
                        "ema": args.ema, "seed": args.seed, "prediction": args.prediction,
                        "logit_mean": args.logit_mean, "logit_std": args.logit_std,
+                       "coordinates": args.coordinates,
                        "command": " ".join(sys.argv)}, f, indent=2)
     st = {"params": [p.detach().cpu() for p in params], "ema": [p.detach().cpu() for p in ema_params],
           "opt": opt.state_dict(), "step": step, "elapsed": elapsed, "rng": list(rng.getstate())}

@@ -101,3 +101,37 @@ def test_committed_motion_base_loads_and_generates():
     assert model.latent_shape == (3, M.FRAMES, M.SIZE, M.SIZE)
     clips = model.generate(["a red circle moving left"], [0], num_steps=2, cfg_scale=1.0)
     assert clips.shape == (1, 3, M.FRAMES, M.SIZE, M.SIZE) and torch.isfinite(clips).all()
+
+
+def test_coordinate_channels(tmp_path):
+    """wan_coord_call feeds fixed frame/row/column ramps as 3 extra input channels; the saved folder records it
+    and loads with that call; an index without the key (older bases) loads with the plain call."""
+    import json
+
+    from mmrl.models.pipelines import coordinates, wan_call, wan_coord_call
+    from mmrl.models.pixel_t2i import build_pipeline_parts, save_pipeline_parts
+    from mmrl.policy.flow_model import load_flow_model
+
+    c = coordinates(torch.zeros(2, 3, 3, 2, 5))                                  # [N, 3, F, H, W]
+    assert c.shape == (2, 3, 3, 2, 5)
+    assert c[0, 0, :, 0, 0].tolist() == [-1, 0, 1] and c[1, 1, 0, :, 0].tolist() == [-1, 1]
+    assert c[0, 2, 0, 0].tolist() == [-1, -0.5, 0, 0.5, 1] and (c[:, 2] == c[:, 2, :1, :1]).all()
+
+    torch.manual_seed(0)
+    words = sorted({w for p in M.all_prompts() for w in p.text.split()})
+    path = str(tmp_path / "coord")
+    save_pipeline_parts(build_pipeline_parts(words, "tiny", 16, patch_size=4, frames=M.FRAMES, coordinates=True), path)
+    index = json.load(open(f"{path}/model_index.json"))
+    assert index["coordinates"] is True and index["channels"] == 3
+    model = load_flow_model(path)
+    assert model.call is wan_coord_call and model.latent_shape == (3, M.FRAMES, 16, 16)
+    assert model.transformer.config.in_channels == 6
+    enc, pooled = model.encode_prompts(["a red circle moving left"])
+    v = model.velocity(torch.zeros(1, 3, M.FRAMES, 16, 16), torch.ones(1), enc, pooled)  # [1, 3, F, H, W]
+    assert v.shape == (1, 3, M.FRAMES, 16, 16)
+    assert v[0, :, 0, :4, :4].sub(v[0, :, -1, -4:, -4:]).abs().max() > 1e-3  # same input, different places
+    index.pop("coordinates")
+    json.dump(index, open(f"{path}/model_index.json", "w"))
+    with pytest.raises(RuntimeError):  # a 6-channel transformer called without its coordinates
+        load_flow_model(path).generate(["a red circle moving left"], [0], num_steps=1, cfg_scale=1.0)
+    assert load_flow_model("tasks/assets/motion-base").call is wan_call

@@ -46,6 +46,20 @@ def wan_call(transformer, x, sigma, enc, pooled):
     return transformer(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=enc, return_dict=False)[0]
 
 
+def coordinates(x: torch.Tensor) -> torch.Tensor:
+    """Fixed frame, row and column ramps in [-1, 1] for a video x [N, C, F, H, W] -> [N, 3, F, H, W]."""
+    n, _, f, h, w = x.shape
+    grid = torch.meshgrid(*(torch.linspace(-1, 1, k) for k in (f, h, w)), indexing="ij")
+    return torch.stack(grid).to(x).expand(n, -1, -1, -1, -1)
+
+
+def wan_coord_call(transformer, x, sigma, enc, pooled):
+    """wan_call with the three `coordinates` channels concatenated to the input (in_channels = C + 3), the way
+    Wan I2V concatenates its conditioning latents. Wan's 3-D RoPE is relative only, so from pure noise a token
+    cannot tell where it is; these channels give the embedded pixel-space video model absolute positions."""
+    return wan_call(transformer, torch.cat([x, coordinates(x)], 1), sigma, enc, pooled)
+
+
 def load_pipeline_model(cls: str, path: str, dtype: torch.dtype, device: str, sample_size: int | None,
                         num_frames: int | None, guidance: float):
     """A FlowModel of the diffusers pipeline folder `path` whose model_index.json names `cls`."""

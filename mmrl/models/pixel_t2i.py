@@ -6,7 +6,8 @@ conditioned by a real transformers `CLIPTextModelWithProjection` over a word-lev
 with `tokenizers`. Saved as a diffusers-style folder that `mmrl.policy.flow_model.load_flow_model` reads:
 
     model_index.json   {"_class_name": "MMRLPixelPipeline", "sample_size": 36, "prediction": "velocity",
-                        "transformer_class": "SD3Transformer2DModel" | "WanTransformer3DModel", "frames": F (video)}
+                        "transformer_class": "SD3Transformer2DModel" | "WanTransformer3DModel", "frames": F (video),
+                        "coordinates": true when the video model takes 3 coordinate channels (wan_coord_call)}
     transformer/       SD3Transformer2DModel.save_pretrained (safetensors)
     text_encoder/      CLIPTextModelWithProjection.save_pretrained (safetensors)
     tokenizer/         PreTrainedTokenizerFast.save_pretrained
@@ -70,21 +71,25 @@ VIDEO_SIZES = {
 }
 
 
-def build_video_transformer(size: str, text_width: int, patch_size: int = 4) -> WanTransformer3DModel:
-    """A pixel-space Wan transformer: RGB clips [3, F, H, W], patches of 1 frame x patch x patch pixels."""
+def build_video_transformer(size: str, text_width: int, patch_size: int = 4,
+                            coordinates: bool = False) -> WanTransformer3DModel:
+    """A pixel-space Wan transformer: RGB clips [3, F, H, W], patches of 1 frame x patch x patch pixels;
+    coordinates: 3 more input channels for `mmrl.models.pipelines.wan_coord_call` (absolute positions)."""
     if size not in VIDEO_SIZES:
         raise ValueError(f"unknown transformer size {size!r}; valid: {sorted(VIDEO_SIZES)}")
-    return WanTransformer3DModel(patch_size=(1, patch_size, patch_size), in_channels=3, out_channels=3,
+    return WanTransformer3DModel(patch_size=(1, patch_size, patch_size), in_channels=6 if coordinates else 3,
+                                 out_channels=3,
                                  text_dim=text_width, freq_dim=64, cross_attn_norm=True,
                                  qk_norm="rms_norm_across_heads", rope_max_seq_len=32, **VIDEO_SIZES[size])
 
 
 def build_pipeline_parts(words: list[str], size: str = "small", sample_size: int = 36, text_width: int = 64,
-                         text_layers: int = 2, patch_size: int = 2, frames: int = 0) -> dict:
-    """frames > 0 builds the video model (clips of `frames` frames), else the image model."""
+                         text_layers: int = 2, patch_size: int = 2, frames: int = 0, coordinates: bool = False) -> dict:
+    """frames > 0 builds the video model (clips of `frames` frames; with coordinate input channels if asked),
+    else the image model."""
     tokenizer = build_tokenizer(words)
     text_width = text_width if size != "tiny" else 16
-    transformer = (build_video_transformer(size, text_width, patch_size) if frames else
+    transformer = (build_video_transformer(size, text_width, patch_size, coordinates) if frames else
                    build_transformer(size, sample_size, text_width, patch_size))
     return dict(tokenizer=tokenizer, text_encoder=build_text_encoder(tokenizer, text_width, text_layers if size != "tiny" else 1),
                 transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
@@ -99,8 +104,9 @@ def save_pipeline_parts(parts: dict, path: str, prediction: str = "velocity") ->
         parts[name].save_pretrained(os.path.join(path, name))
     tr = parts["transformer"]
     index = {"_class_name": PIPELINE_CLASS, "sample_size": parts.get("sample_size") or tr.config.sample_size,
-             "channels": tr.config.in_channels, "prediction": prediction, "transformer_class": type(tr).__name__}
+             "channels": tr.config.out_channels, "prediction": prediction, "transformer_class": type(tr).__name__}
     if parts.get("frames"):
         index["frames"] = parts["frames"]
+        index["coordinates"] = tr.config.in_channels > tr.config.out_channels
     with open(os.path.join(path, "model_index.json"), "w") as f:
         json.dump(index, f, indent=2)

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from mmrl.models.pipelines import (PIPELINES, SD3_LORA_TARGETS, WAN_LORA_TARGETS, load_pipeline_model, sd3_call,
-                                   wan_call)
+                                   wan_call, wan_coord_call)
 from mmrl.models.pixel_t2i import PIPELINE_CLASS
 
 EncodeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
@@ -124,7 +124,7 @@ def _pixel_model(path: str, dtype: torch.dtype) -> FlowModel:
     shape = (ch, index["frames"], size, size) if video else (ch, size, size)
     return FlowModel(transformer, make_clip_encoder(tokenizer, text_encoder), lambda x: x.clamp(-1, 1), shape,
                      (text_encoder,), prediction=index.get("prediction", "velocity"),
-                     call=wan_call if video else sd3_call, lora_targets=WAN_LORA_TARGETS if video else SD3_LORA_TARGETS)
+                     call=(wan_coord_call if index.get("coordinates") else wan_call) if video else sd3_call, lora_targets=WAN_LORA_TARGETS if video else SD3_LORA_TARGETS)
 
 
 def make_clip_encoder(tokenizer, text_encoder) -> EncodeFn:
