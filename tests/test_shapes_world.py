@@ -65,3 +65,18 @@ def test_saturation_proxy_by_hand():
     assert out["saturation"].item() == pytest.approx(0.25, abs=1e-3)
     assert out["overall"].item() == pytest.approx(out["strict"].item() + 0.5, abs=2e-3)
     assert "saturation" not in ShapesReward()(img, ["a red square"])
+
+
+def test_pooled_text_embedding_sees_the_whole_prompt():
+    """The embedded worlds' CLIP text encoder pools at <eos> (not at the highest token id, transformers' legacy
+    path for eos_token_id 2), so prompts differing only in their last word get different pooled embeddings."""
+    from mmrl.models.pixel_t2i import build_text_encoder, build_tokenizer
+
+    torch.manual_seed(0)
+    tok = build_tokenizer("a video of red circle moving left right".split())
+    assert tok.eos_token_id != 2
+    enc = build_text_encoder(tok)
+    ids = tok(["a red circle moving left", "a red circle moving right"], padding="max_length", max_length=16,
+              return_tensors="pt")
+    pooled = enc(input_ids=ids.input_ids, attention_mask=ids.attention_mask).text_embeds      # [2, D]
+    assert (pooled[0] - pooled[1]).abs().max() > 1e-4

@@ -24,7 +24,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, PreTrainedTokenizerFast
 
 PIPELINE_CLASS = "MMRLPixelPipeline"
-SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+# <eos> must not get id 2: transformers' CLIP text model then takes its pooled embedding at the HIGHEST token id
+# (a legacy path for the original CLIP vocabulary), i.e. at some word mid-sentence that, attending causally,
+# cannot see the words after it. The committed bases were built with <eos> = 2 and keep that pooling.
+SPECIALS = ["<pad>", "<bos>", "<unk>", "<eos>"]
 MAX_TOKENS = 16
 
 
