@@ -108,6 +108,8 @@ def main(argv=None):
     parts = build_pipeline_parts(words, args.size, world.size, patch_size=args.patch, frames=world.frames,
                                  coordinates=args.coordinates)
     call = (wan_coord_call if args.coordinates else wan_call) if world.frames else sd3_call
+    if args.init:
+        init_from(parts, args.init)
     te, tr = parts["text_encoder"].to(device), parts["transformer"].to(device)
     params = list(tr.parameters()) + list(te.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -125,16 +127,6 @@ def main(argv=None):
         step, elapsed = st["step"], st["elapsed"]
         rng.setstate((st["rng"][0], tuple(st["rng"][1]), st["rng"][2]))
         print(f"resumed at step {step}, {elapsed / 60:.1f} min")
-    if args.init and not (args.resume and os.path.exists(state_path)):
-        from mmrl.policy.flow_model import load_flow_model
-
-        init = load_flow_model(args.init)
-        with torch.no_grad():
-            for mod, ema in ((tr, ema_tr), (te, ema_te)):
-                src = init.transformer if mod is tr else init.text_modules[0]
-                mod.load_state_dict(src.state_dict())
-                ema.load_state_dict(src.state_dict())
-        print(f"initialized from {args.init}")
     encode = make_clip_encoder(parts["tokenizer"], te)
     t0, last_eval = time.time() - elapsed, time.time()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -182,6 +174,30 @@ def main(argv=None):
                 break
     except KeyboardInterrupt:
         print("interrupted; last save kept")
+
+
+def init_from(parts: dict, path: str) -> None:
+    """Start from the model folder `path`: its tokenizer and text encoder as saved (token ids and pooling
+    unchanged), its transformer weights copied in. An input projection that this model widens (`--coordinates`
+    on a base without them) keeps the old channels' weights and starts the new ones at zero, so the widened model
+    computes exactly what the base computed until training moves them."""
+    from transformers import CLIPTextModelWithProjection, PreTrainedTokenizerFast
+
+    from mmrl.policy.flow_model import load_flow_model
+
+    parts["tokenizer"] = PreTrainedTokenizerFast.from_pretrained(os.path.join(path, "tokenizer"))
+    parts["text_encoder"] = CLIPTextModelWithProjection.from_pretrained(os.path.join(path, "text_encoder"))
+    src, dst = load_flow_model(path).transformer.state_dict(), parts["transformer"].state_dict()
+    for k, v in src.items():
+        if k not in dst:
+            raise ValueError(f"--init {path}: parameter {k} does not exist in the model being trained")
+        if v.shape != dst[k].shape:
+            if v.dim() < 2 or v.shape[0] != dst[k].shape[0] or v.shape[2:] != dst[k].shape[2:]:
+                raise ValueError(f"--init {path}: {k} has shape {tuple(v.shape)}, this model {tuple(dst[k].shape)}")
+            v = torch.cat([v, v.new_zeros(v.shape[0], dst[k].shape[1] - v.shape[1], *v.shape[2:])], 1)
+        dst[k] = v
+    parts["transformer"].load_state_dict(dst)
+    print(f"initialized from {path}")
 
 
 def save(args, parts, ema_tr, ema_te, params, ema_params, opt, step, elapsed, rng, state_path):
