@@ -57,6 +57,31 @@ def test_pretrain_motion_and_bench_motion(tmp_path):
     assert res["n"] == 32 and set(res["per_category"]) == {"left", "right", "up", "down"} and 0 <= res["correct"] <= 1
 
 
+def test_pretrain_init_widens_to_coordinates(tiny_motion_model, tmp_path):
+    """--init from a video base without coordinate channels: the widened model computes what the base did."""
+    import importlib.util
+
+    import torch
+
+    from mmrl.models.pixel_t2i import build_pipeline_parts, save_pipeline_parts
+    from mmrl.policy.flow_model import load_flow_model
+    from tasks import motion
+
+    spec = importlib.util.spec_from_file_location("pretrain_world", os.path.join(ROOT, "scripts/pretrain_world.py"))
+    pretrain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pretrain)
+    words = ["only", "other", "words"]  # the tokenizer and text encoder must come from the init folder
+    parts = build_pipeline_parts(words, "tiny", 16, patch_size=4, frames=motion.FRAMES, coordinates=True)
+    pretrain.init_from(parts, tiny_motion_model)
+    save_pipeline_parts(parts, str(tmp_path / "widened"))
+    base, widened = load_flow_model(tiny_motion_model), load_flow_model(str(tmp_path / "widened"))
+    assert widened.transformer.config.in_channels == 6 and base.transformer.config.in_channels == 3
+    texts = ["a red circle moving left", "a blue square moving up"]
+    torch.testing.assert_close(widened.generate(texts, [0, 1], 3, 1.0), base.generate(texts, [0, 1], 3, 1.0))
+    with pytest.raises(ValueError, match="shape"):
+        pretrain.init_from(build_pipeline_parts(words, "tiny", 16, patch_size=2, frames=motion.FRAMES), tiny_motion_model)
+
+
 def test_bench_rollout_quick():
     """Chain vs BranchGRPO variants on the shapes SD3 transformer: tree rollouts cost fewer transformer rows."""
     r = run("scripts/bench_rollout.py", "--quick", "--threads", "1")
