@@ -105,7 +105,7 @@ def test_committed_motion_base_loads_and_generates():
 
 def test_coordinate_channels(tmp_path):
     """wan_coord_call feeds fixed frame/row/column ramps as 3 extra input channels; the saved folder records it
-    and loads with that call; an index without the key (older bases) loads with the plain call."""
+    and loads with that call; without the key (older bases) the plain call is used, which a 6-channel model refuses."""
     import json
 
     from mmrl.models.pipelines import coordinates, wan_call, wan_coord_call
@@ -134,4 +134,5 @@ def test_coordinate_channels(tmp_path):
     json.dump(index, open(f"{path}/model_index.json", "w"))
     with pytest.raises(RuntimeError):  # a 6-channel transformer called without its coordinates
         load_flow_model(path).generate(["a red circle moving left"], [0], num_steps=1, cfg_scale=1.0)
-    assert load_flow_model("tasks/assets/motion-base").call is wan_call
+    assert load_flow_model("tasks/assets/motion-base").call is wan_coord_call  # the committed base has them
+    assert wan_call is not wan_coord_call
