@@ -3,7 +3,9 @@ present). Reproduces the committed base checkpoints (see README for their exact 
 
     python scripts/pretrain_world.py --world shapes --minutes 90 --out tasks/assets/shapes-base
     python scripts/pretrain_world.py --world motion --coordinates --init OLD_MOTION_BASE --minutes 40 --batch 32 \
-        --lr 3e-4 --logit-mean 1.5 --threads 1 --out tasks/assets/motion-base   # its 30-min save is the committed one
+        --lr 3e-4 --logit-mean 1.5 --threads 1 --out BASE30      # stopped at its 30-min save
+    python scripts/pretrain_world.py --world motion --coordinates --init BASE30 --minutes 8 --cooldown 0 \
+        --batch 32 --lr 3e-4 --logit-mean 1.5 --threads 1 --out tasks/assets/motion-base
 
 Trains the pixel-space transformer (SD3Transformer2DModel for shapes, WanTransformer3DModel for motion) and its
 CLIP text encoder jointly from scratch on the world's TRAIN texts (held-out texts are never seen; categories or
