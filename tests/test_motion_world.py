@@ -72,7 +72,7 @@ def test_video_policy_contract(tiny_motion_model):
     assert MotionReward()(ro.outputs, ex * 3)["overall"].shape == (6,)
 
 
-@pytest.mark.parametrize("config", ["motion_grpo", "motion_branchgrpo"])
+@pytest.mark.parametrize("config", ["motion_grpo", "motion_grpo_ema", "motion_branchgrpo"])
 def test_motion_config_smoke_with_video_strips(config, tiny_motion_model, tmp_path):
     from mmrl.trainer import Trainer
 
