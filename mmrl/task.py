@@ -140,16 +140,19 @@ class GroundingTask:
 
 class GroundingWorldTask(GroundingTask):
     """The embedded synthetic-video world (tasks/grounding_world.py), built under task.kwargs.root on first use
-    and read back through the Charades-STA reader. kwargs: root, train_videos, test_videos, and GroundingTask's
+    and read back through the Charades-STA reader. kwargs: root, train_videos, test_videos (none: an existing
+    world's counts, else 600 / 220; other counts than an existing world's are an error), and GroundingTask's
     prompt / answer / text_first. The query comes before the video by default: then the distance in M-RoPE
     positions from the answer to each video token does not depend on the query's length, which a 1 M-parameter
     model reading time off those distances cannot otherwise compensate for."""
 
-    def __init__(self, cfg, root: str = "runs/grounding_world", train_videos: int = 600, test_videos: int = 220,
-                 **kwargs):
+    def __init__(self, cfg, root: str = "runs/grounding_world", train_videos: int | None = None,
+                 test_videos: int | None = None, **kwargs):
         from tasks.grounding_world import ANSWER, PROMPT, build_world
 
-        w = build_world(root, {"train": train_videos, "test": test_videos})
+        sizes = None if train_videos is None and test_videos is None else \
+            {"train": train_videos or 600, "test": test_videos or 220}
+        w = build_world(root, sizes)
         kwargs.setdefault("prompt", PROMPT)
         kwargs.setdefault("answer", ANSWER)
         kwargs.setdefault("text_first", True)

@@ -88,7 +88,7 @@ def write_mp4(path: str, frames: np.ndarray, fps: int = FPS) -> None:
     """frames [T, H, W, 3] uint8 -> H.264 mp4 (PyAV), written to a temp name then renamed."""
     import av
 
-    tmp = path + ".tmp.mp4"
+    tmp = f"{path}.{os.getpid()}.tmp.mp4"  # per process: two runs may build the same world at once
     with av.open(tmp, "w") as out:
         stream = out.add_stream("libx264", rate=fps, options={"crf": "12", "g": "1"})
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
@@ -103,25 +103,30 @@ def write_mp4(path: str, frames: np.ndarray, fps: int = FPS) -> None:
 def build_world(root: str, n_videos: dict[str, int] | None = None, seed: int = 0) -> dict[str, dict]:
     """Write the world under root; a complete world with the same parameters (world.json) is reused.
 
-    n_videos=None reads an existing world as it is (or builds the default 600 / 200 videos). Returns
-    {split: {"annotations": txt, "durations": csv, "video_dir": dir}} for splits "train" and "test".
+    n_videos=None reads an existing world as it is (or builds the default 600 / 220 videos). A world already
+    under root that was built with other parameters is never overwritten (another run may be reading it): that
+    is a ValueError naming both. Several processes may build the same world at once (per-process temp names).
+    Returns {split: {"annotations": txt, "durations": csv, "video_dir": dir}} for splits "train" and "test".
     """
     video_dir = os.path.join(root, "videos")
     manifest = os.path.join(root, "world.json")
-    if n_videos is None and os.path.isfile(manifest):  # read an existing world as it is
+    old = None
+    if os.path.isfile(manifest):
         with open(manifest) as f:
             old = json.load(f)
+    if n_videos is None and old is not None:  # read an existing world as it is
         n_videos, seed = old["n_videos"], old["seed"]
     n_videos = n_videos or {"train": 600, "test": 220}
     params = {"n_videos": n_videos, "seed": seed, "fps": FPS, "frames": FRAMES, "size": SIZE, "layout": "quadrants"}
     out = {split: {"annotations": os.path.join(root, f"charades_sta_{split}.txt"),
                    "durations": os.path.join(root, f"Charades_v1_{split}.csv"), "video_dir": video_dir}
            for split in n_videos}
-    if os.path.isfile(manifest):
-        with open(manifest) as f:
-            if json.load(f) == params:
-                return out
-        shutil.rmtree(video_dir, ignore_errors=True)  # built with other parameters: rebuild
+    if old == params:
+        return out
+    if old is not None:
+        raise ValueError(f"{root} holds a grounding world built with {old}, not the requested {params}: pass "
+                         f"the same video counts (or none, to read it as it is; task.kwargs.train_videos / "
+                         f"test_videos, sft_grounding.py --train-videos / --test-videos), another root, or delete {root}")
     os.makedirs(video_dir, exist_ok=True)
     rng = random.Random(seed)
     for split, n in n_videos.items():
@@ -140,14 +145,15 @@ def build_world(root: str, n_videos: dict[str, int] | None = None, seed: int = 0
                 if o["target"]:
                     q = rng.choice(TEMPLATES).format(f"{o['color']} {o['shape']}")
                     lines.append(f"{vid} {o['start']:.1f} {o['end']:.1f}##{q}")
-        with open(txt + ".tmp", "w") as f:
+        with open(f"{txt}.{os.getpid()}.tmp", "w") as f:
             f.write("\n".join(lines) + "\n")
-        os.replace(txt + ".tmp", txt)
-        with open(csv_path + ".tmp", "w", newline="") as f:
+        os.replace(f"{txt}.{os.getpid()}.tmp", txt)
+        with open(f"{csv_path}.{os.getpid()}.tmp", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-        os.replace(csv_path + ".tmp", csv_path)
-    with open(manifest, "w") as f:
+        os.replace(f"{csv_path}.{os.getpid()}.tmp", csv_path)
+    with open(f"{manifest}.{os.getpid()}.tmp", "w") as f:  # last: the world is complete
         json.dump(params, f)
+    os.replace(f"{manifest}.{os.getpid()}.tmp", manifest)
     return out

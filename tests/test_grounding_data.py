@@ -78,3 +78,20 @@ def test_load_dataset_finds_videos_and_reports_missing(tmp_path):
     assert find_video(str(vids), "v_QOlSCBRmfWY").endswith("QOlSCBRmfWY.mkv")  # ActivityNet's v_ prefix
     with pytest.raises(ValueError, match="valid:"):
         load_dataset("kinetics", "a", "b")
+
+
+def test_world_is_read_as_built_and_never_overwritten_with_other_counts(tmp_path):
+    from mmrl.config import TaskConfig
+    from mmrl.task import GroundingWorldTask
+    from tasks.grounding_world import build_world
+
+    root = str(tmp_path / "world")
+    built = build_world(root, {"train": 2, "test": 1})
+    task = GroundingWorldTask(TaskConfig(eval_prompts=10), root=root)  # no counts: the world as it is
+    with open(built["train"]["annotations"]) as f:
+        assert len(task.train) == sum(1 for line in f if line.strip())
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "world" / "videos").iterdir()}
+    with pytest.raises(ValueError, match="train_videos"):  # another run may be reading it: refuse, name the fix
+        GroundingWorldTask(TaskConfig(eval_prompts=10), root=root, train_videos=600)
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "world" / "videos").iterdir()} == mtimes
+    assert not [p for p in (tmp_path / "world").rglob("*.tmp*")]
