@@ -76,6 +76,9 @@ def test_flux_policy_contract_lora_and_checkpoint(pipelines, tmp_path):
     pol.model.call = flux_call(3.5)
     with torch.no_grad():
         assert torch.allclose(model.velocity(x, s, enc, pooled), pol.model.velocity(x, s, enc, pooled), atol=1e-5)
+    parent = load_policy_checkpoint(str(tmp_path))  # a trainer checkpoint folder (iter-N) holds policy/
+    with torch.no_grad():
+        assert torch.equal(parent.velocity(x, s, enc, pooled), model.velocity(x, s, enc, pooled))
 
 
 def test_wan_video_policy_contract_and_trees(pipelines):

@@ -275,7 +275,10 @@ def build_flow_policy(cfg) -> FlowPolicy:
 
 
 def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:
-    """A FlowModel with a saved policy's weights applied (full folder or base + LoRA adapter)."""
+    """A FlowModel with a saved policy's weights applied (full folder or base + LoRA adapter); a trainer
+    checkpoint folder (checkpoints/iter-N) means its policy/."""
+    if os.path.isfile(os.path.join(path, "policy", "mmrl_policy.json")):
+        path = os.path.join(path, "policy")
     meta_file = os.path.join(path, "mmrl_policy.json")
     if not os.path.isfile(meta_file):
         return load_flow_model(path, device=device)  # a plain model folder
