@@ -148,10 +148,10 @@ class GroundingWorldTask(GroundingTask):
 
     def __init__(self, cfg, root: str = "runs/grounding_world", train_videos: int | None = None,
                  test_videos: int | None = None, **kwargs):
-        from tasks.grounding_world import ANSWER, PROMPT, build_world
+        from tasks.grounding_world import ANSWER, DEFAULT_VIDEOS, PROMPT, build_world
 
         sizes = None if train_videos is None and test_videos is None else \
-            {"train": train_videos or 600, "test": test_videos or 220}
+            {"train": train_videos or DEFAULT_VIDEOS["train"], "test": test_videos or DEFAULT_VIDEOS["test"]}
         w = build_world(root, sizes)
         kwargs.setdefault("prompt", PROMPT)
         kwargs.setdefault("answer", ANSWER)

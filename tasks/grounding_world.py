@@ -19,7 +19,7 @@ import csv
 import json
 import os
 import random
-import shutil
+from contextlib import contextmanager
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -100,6 +100,18 @@ def write_mp4(path: str, frames: np.ndarray, fps: int = FPS) -> None:
     os.replace(tmp, path)
 
 
+DEFAULT_VIDEOS = {"train": 600, "test": 220}
+
+
+@contextmanager
+def _atomic_write(path: str, **open_kw):
+    """Write to a per-process temp name, then rename: two runs may build the same world at once."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", **open_kw) as f:
+        yield f
+    os.replace(tmp, path)
+
+
 def build_world(root: str, n_videos: dict[str, int] | None = None, seed: int = 0) -> dict[str, dict]:
     """Write the world under root; a complete world with the same parameters (world.json) is reused.
 
@@ -116,7 +128,7 @@ def build_world(root: str, n_videos: dict[str, int] | None = None, seed: int = 0
             old = json.load(f)
     if n_videos is None and old is not None:  # read an existing world as it is
         n_videos, seed = old["n_videos"], old["seed"]
-    n_videos = n_videos or {"train": 600, "test": 220}
+    n_videos = n_videos or DEFAULT_VIDEOS
     params = {"n_videos": n_videos, "seed": seed, "fps": FPS, "frames": FRAMES, "size": SIZE, "layout": "quadrants"}
     out = {split: {"annotations": os.path.join(root, f"charades_sta_{split}.txt"),
                    "durations": os.path.join(root, f"Charades_v1_{split}.csv"), "video_dir": video_dir}
@@ -126,7 +138,8 @@ def build_world(root: str, n_videos: dict[str, int] | None = None, seed: int = 0
     if old is not None:
         raise ValueError(f"{root} holds a grounding world built with {old}, not the requested {params}: pass "
                          f"the same video counts (or none, to read it as it is; task.kwargs.train_videos / "
-                         f"test_videos, sft_grounding.py --train-videos / --test-videos), another root, or delete {root}")
+                         f"test_videos, sft_grounding.py --train-videos / --test-videos), another root, or "
+                         f"delete {root}")
     os.makedirs(video_dir, exist_ok=True)
     rng = random.Random(seed)
     for split, n in n_videos.items():
@@ -145,15 +158,12 @@ def build_world(root: str, n_videos: dict[str, int] | None = None, seed: int = 0
                 if o["target"]:
                     q = rng.choice(TEMPLATES).format(f"{o['color']} {o['shape']}")
                     lines.append(f"{vid} {o['start']:.1f} {o['end']:.1f}##{q}")
-        with open(f"{txt}.{os.getpid()}.tmp", "w") as f:
+        with _atomic_write(txt) as f:
             f.write("\n".join(lines) + "\n")
-        os.replace(f"{txt}.{os.getpid()}.tmp", txt)
-        with open(f"{csv_path}.{os.getpid()}.tmp", "w", newline="") as f:
+        with _atomic_write(csv_path, newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-        os.replace(f"{csv_path}.{os.getpid()}.tmp", csv_path)
-    with open(f"{manifest}.{os.getpid()}.tmp", "w") as f:  # last: the world is complete
+    with _atomic_write(manifest) as f:  # last: the world is complete
         json.dump(params, f)
-    os.replace(f"{manifest}.{os.getpid()}.tmp", manifest)
     return out
