@@ -133,6 +133,7 @@ class AlgoConfig:
     shaping_tau: float = 0.8      # TempSamp-R1 soft shaping
     shaping_alpha: float = 1.0
     offpolicy: str = "none"       # OFFPOLICY key: none | ground_truth (TempSamp-R1 injection, one row per group)
+    sft_coef: float = 0.0         # > 0: add sft_coef x the NLL of the injected rows to their loss (supervised anchor)
     dynamic_sampling: bool = False  # DAPO: resample prompts whose group has zero reward std
     dynamic_sampling_tries: int = 3  # extra sampling rounds at most per iteration
 
@@ -245,6 +246,11 @@ class Config:
             raise ValueError(f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
         if self.algo.clip_range <= 0:
             raise ValueError(f"algo.clip_range must be > 0, got {self.algo.clip_range}")
+        if self.algo.sft_coef < 0:
+            raise ValueError(f"algo.sft_coef must be >= 0, got {self.algo.sft_coef}")
+        if self.algo.sft_coef > 0 and self.algo.offpolicy == "none":
+            raise ValueError("algo.sft_coef > 0 trains the NLL of injected rows, and there are none: set "
+                             "algo.offpolicy=ground_truth or algo.sft_coef=0")
         if self.algo.kl_coef > 0 and self.model.reference == "none":
             raise ValueError("algo.kl_coef > 0 needs a reference model: set model.reference=auto or algo.kl_coef=0")
         s = self.sampler

@@ -93,6 +93,33 @@ def test_shapes_configs_smoke(config, tiny_pixel_model, tmp_path):
     assert res["iterations"] == 2 and 0.0 <= res["eval_end"]["strict"] <= 1.0  # overall: a proxy may exceed 1
 
 
+def test_sft_coef_adds_the_nll_of_the_injected_rows(tiny_pixel_model, tmp_path):
+    """With zero advantages the PPO term has no gradient, so the step's gradient is exactly that of
+    sft_coef x sum over injected rows of their mean per-action NLL / N (seq_mean_token_mean)."""
+    tr = Trainer(cfg_for(tiny_pixel_model, tmp_path, "train.minibatches=1", "algo.offpolicy=ground_truth",
+                         "algo.sft_coef=2.5"))
+    ro = tr.policy.sample([{"prompt": "a red circle"}, {"prompt": "two squares"}], 3, torch.Generator().manual_seed(0))
+    ro.is_offpolicy = torch.tensor([False, False, True, False, False, True])  # one "injected" row per group
+    tr.opt.step = lambda: None
+    captured = []
+    orig = torch.nn.utils.clip_grad_norm_
+    torch.nn.utils.clip_grad_norm_ = lambda params, max_norm: (captured.append([p.grad.clone() for p in tr.params]), torch.tensor(0.0))[1]
+    try:
+        m = tr.optimize(ro, torch.zeros(len(ro)))
+    finally:
+        torch.nn.utils.clip_grad_norm_ = orig
+    for p in tr.params:
+        p.grad = None
+    out = tr.policy.log_prob(ro, torch.arange(len(ro)))
+    nll = -(out.log_prob * ro.action_mask).sum(-1) / ro.action_mask.sum(-1)  # [N] mean per-action NLL
+    (2.5 * nll[ro.is_offpolicy].sum() / len(ro)).backward()
+    for got, p in zip(captured[0], tr.params):
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        assert torch.allclose(got, want, atol=1e-7, rtol=1e-4)
+    assert m["train/sft_nll"] == pytest.approx(float(-out.log_prob.detach()[ro.is_offpolicy][ro.action_mask[ro.is_offpolicy]].mean()), rel=1e-4)
+    assert any(g.abs().sum() > 0 for g in captured[0])  # the NLL really moves the weights
+
+
 # ------------------------------------------------------------------ several rewards, pairwise, remote, overlap
 def test_pairwise_multi_gdpo_remote_and_overlap_through_the_trainer(tiny_pixel_model, tmp_path):
     from mmrl.reward_server import RewardServer
@@ -134,6 +161,8 @@ def test_pairwise_multi_gdpo_remote_and_overlap_through_the_trainer(tiny_pixel_m
     (["algo.reward_aggregation=gdpo"], "reward.name=multi"),
     (["algo.reward_aggregation=gpdo"], "Did you mean 'gdpo'"),
     (["reward.workers=-1"], "reward.workers"),
+    (["algo.sft_coef=1.0"], "algo.offpolicy=ground_truth"),
+    (["algo.sft_coef=-1.0"], "algo.sft_coef"),
 ])
 def test_reward_config_errors_name_the_fix(tiny_pixel_model, tmp_path, items, match):
     with pytest.raises(ValueError, match=match):
