@@ -298,10 +298,10 @@ class Trainer:
                 for name in a.weighting.split("+"):
                     loss_a = loss_a * WEIGHTINGS[name](mb, out)
                 if a.sft_coef > 0:  # supervised anchor: NLL of the injected (off-policy) rows' actions
-                    off = mb.is_offpolicy[:, None] & mb.action_mask  # [n, A]
-                    loss_a = loss_a - a.sft_coef * out.log_prob * off
-                    if off.any():
-                        stats.setdefault("sft_nll", []).append(-out.log_prob.detach()[off].mean().item())
+                    inj = mb.is_offpolicy[:, None] & mb.action_mask  # [n, A]
+                    loss_a = loss_a - a.sft_coef * out.log_prob * inj
+                    if inj.any():
+                        stats.setdefault("sft_nll", []).append(-out.log_prob.detach()[inj].mean().item())
                 loss = LOSS_AGG[a.loss_agg](loss_a, mb.action_mask, n_step, a_step) * weight
                 loss.backward()
                 mask = mb.action_mask

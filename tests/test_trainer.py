@@ -96,8 +96,8 @@ def test_shapes_configs_smoke(config, tiny_pixel_model, tmp_path):
 def test_sft_coef_adds_the_nll_of_the_injected_rows(tiny_pixel_model, tmp_path):
     """With zero advantages the PPO term has no gradient, so the step's gradient is exactly that of
     sft_coef x sum over injected rows of their mean per-action NLL / N (seq_mean_token_mean)."""
-    tr = Trainer(cfg_for(tiny_pixel_model, tmp_path, "train.minibatches=1", "algo.offpolicy=ground_truth",
-                         "algo.sft_coef=2.5"))
+    tr = Trainer(cfg_for(tiny_pixel_model, tmp_path, "train.minibatches=2", "train.grad_accum=2",
+                         "algo.offpolicy=ground_truth", "algo.sft_coef=2.5"))
     ro = tr.policy.sample([{"prompt": "a red circle"}, {"prompt": "two squares"}], 3, torch.Generator().manual_seed(0))
     ro.is_offpolicy = torch.tensor([False, False, True, False, False, True])  # one "injected" row per group
     tr.opt.step = lambda: None
