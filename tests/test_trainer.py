@@ -31,6 +31,19 @@ def cfg_for(path, tmp_path, *items):
                                                         "log.tensorboard=false", *items])
 
 
+def optimize_capturing_grads(tr, ro, adv):
+    """tr.optimize(ro, adv) with the weights kept: returns (the gradient of its first optimizer step, metrics)."""
+    tr.opt.step = lambda: None
+    captured = []
+    orig = torch.nn.utils.clip_grad_norm_
+    torch.nn.utils.clip_grad_norm_ = lambda params, max_norm: (captured.append([p.grad.clone() for p in tr.params]), torch.tensor(0.0))[1]
+    try:
+        m = tr.optimize(ro, adv)
+    finally:
+        torch.nn.utils.clip_grad_norm_ = orig
+    return captured[0], m
+
+
 @pytest.mark.parametrize("items", [
     ["algo.kl_coef=0.1", "model.lora.enabled=true", "model.lora.rank=4"],
     ["algo.kl_coef=0.1", "algo.kl=k3"],
@@ -64,17 +77,7 @@ def test_minibatch_split_gives_the_full_batch_gradient(tiny_pixel_model, tmp_pat
     for items in (["train.minibatches=1"], ["train.minibatches=2", "train.grad_accum=2"]):
         tr = Trainer(cfg_for(tiny_pixel_model, tmp_path, *items))
         ro = tr.policy.sample([{"prompt": "a red circle"}, {"prompt": "two squares"}], 3, torch.Generator().manual_seed(0))
-        rewards, valid, _ = tr.reward(ro.outputs, ro.examples)
-        adv = torch.linspace(-1, 1, len(ro))
-        tr.opt.step = lambda: None  # keep the weights: compare the accumulated gradient only
-        captured = []
-        orig = torch.nn.utils.clip_grad_norm_
-        torch.nn.utils.clip_grad_norm_ = lambda params, max_norm: (captured.append([p.grad.clone() for p in tr.params]), torch.tensor(0.0))[1]
-        try:
-            tr.optimize(ro, adv)
-        finally:
-            torch.nn.utils.clip_grad_norm_ = orig
-        grads.append(captured[0])
+        grads.append(optimize_capturing_grads(tr, ro, torch.linspace(-1, 1, len(ro)))[0])
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
 
@@ -100,24 +103,17 @@ def test_sft_coef_adds_the_nll_of_the_injected_rows(tiny_pixel_model, tmp_path):
                          "algo.offpolicy=ground_truth", "algo.sft_coef=2.5"))
     ro = tr.policy.sample([{"prompt": "a red circle"}, {"prompt": "two squares"}], 3, torch.Generator().manual_seed(0))
     ro.is_offpolicy = torch.tensor([False, False, True, False, False, True])  # one "injected" row per group
-    tr.opt.step = lambda: None
-    captured = []
-    orig = torch.nn.utils.clip_grad_norm_
-    torch.nn.utils.clip_grad_norm_ = lambda params, max_norm: (captured.append([p.grad.clone() for p in tr.params]), torch.tensor(0.0))[1]
-    try:
-        m = tr.optimize(ro, torch.zeros(len(ro)))
-    finally:
-        torch.nn.utils.clip_grad_norm_ = orig
+    grads, m = optimize_capturing_grads(tr, ro, torch.zeros(len(ro)))
     for p in tr.params:
         p.grad = None
     out = tr.policy.log_prob(ro, torch.arange(len(ro)))
     nll = -(out.log_prob * ro.action_mask).sum(-1) / ro.action_mask.sum(-1)  # [N] mean per-action NLL
     (2.5 * nll[ro.is_offpolicy].sum() / len(ro)).backward()
-    for got, p in zip(captured[0], tr.params):
+    for got, p in zip(grads, tr.params):
         want = p.grad if p.grad is not None else torch.zeros_like(p)
         assert torch.allclose(got, want, atol=1e-7, rtol=1e-4)
     assert m["train/sft_nll"] == pytest.approx(float(-out.log_prob.detach()[ro.is_offpolicy][ro.action_mask[ro.is_offpolicy]].mean()), rel=1e-4)
-    assert any(g.abs().sum() > 0 for g in captured[0])  # the NLL really moves the weights
+    assert any(g.abs().sum() > 0 for g in grads)  # the NLL really moves the weights
 
 
 # ------------------------------------------------------------------ several rewards, pairwise, remote, overlap
