@@ -211,8 +211,9 @@ class Trainer:
         """train.mixed_precision=bf16: the training forward under bf16 autocast (FSDP2 instead computes in bf16
         through its MixedPrecisionPolicy); log-probs and the loss are computed in fp32 from its outputs."""
         t = self.cfg.train
-        on = t.mixed_precision == "bf16" and not (t.parallel == "fsdp" and self.dist.world > 1)
-        return torch.autocast(torch.device(getattr(self.policy, "device", "cpu")).type, dtype=torch.bfloat16, enabled=on)
+        if t.mixed_precision != "bf16" or (t.parallel == "fsdp" and self.dist.world > 1):
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(getattr(self.policy, "device", "cpu")).type, dtype=torch.bfloat16)
 
     def _sample(self, examples: list[dict], gen: torch.Generator) -> Rollout:
         """One group per example; with several processes, this rank's share: its contiguous range of the

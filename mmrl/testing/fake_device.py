@@ -1,0 +1,141 @@
+"""A fake accelerator for catching device mismatches on a machine without one.
+
+On a GPU, an op that mixes a CUDA tensor with a CPU tensor raises ("Expected all tensors to be on the same
+device"). On CPU every tensor shares one device, so such bugs stay invisible until a user's first GPU run.
+`fake_accelerator()` makes a second device that computes on CPU: a tensor "on" it is a wrapper subclass that
+reports `device == FAKE` (the `meta` device type, whose device guard is a no-op, so no CUDA runtime is
+touched) and holds a real CPU tensor with the values. Inside the context, every op is checked with the
+rules CUDA applies:
+  - tensors on FAKE and on CPU may not meet in one op, except CPU scalars (0-dim), CPU index tensors of
+    indexing ops (`x[idx]`, `x[idx] = v`), and copies between devices (`.to`, `copy_`);
+  - factories (`torch.zeros(..., device=FAKE)`, `torch.randn(...)`) and `.to(FAKE)` put tensors on FAKE;
+  - `.numpy()` of a FAKE tensor raises, as it does for a CUDA tensor; `.item()`, `.tolist()` and `.cpu()`
+    work (a real GPU syncs there).
+`torch.Generator(FAKE)` gives a CPU generator (a real run uses one on its device).
+
+Usage: `with fake_accelerator(): policy = build(cfg with model.device="meta"); trainer.step(0)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
+
+FAKE = torch.device("meta")
+
+# ops that CUDA runs with CPU operands: cross-device copies, and indexing with CPU index tensors
+_CROSS_DEVICE = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten.copy.default,
+                 torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default,
+                 torch.ops.aten._index_put_impl_.default, torch.ops.aten.lift_fresh.default,
+                 torch.ops.aten.set_.source_Tensor, torch.ops.aten._has_compatible_shallow_copy_type.default}
+
+
+class DeviceMismatch(RuntimeError):
+    pass
+
+
+class OnFake(torch.Tensor):
+    """A tensor on the fake accelerator: reports device FAKE, keeps its values in `elem` (a CPU tensor)."""
+
+    elem: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, strides=elem.stride(), dtype=elem.dtype,
+                                                   device=FAKE, requires_grad=elem.requires_grad,
+                                                   storage_offset=elem.storage_offset())
+
+    def __init__(self, elem: torch.Tensor):
+        self.elem = elem
+
+    def __repr__(self):
+        return f"OnFake({self.elem!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"{func} on a fake-accelerator tensor outside fake_accelerator()")
+
+
+def _is_fake(device) -> bool:
+    return device is not None and torch.device(device).type == FAKE.type
+
+
+class _Mode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        flat, _ = tree_flatten((args, kwargs))
+        on_fake = any(isinstance(t, OnFake) for t in flat)
+        host = [t for t in flat if isinstance(t, torch.Tensor) and not isinstance(t, OnFake) and t.dim() > 0]
+        if on_fake and host and func not in _CROSS_DEVICE:
+            shapes = ", ".join(str(tuple(t.shape)) for t in host[:3])
+            raise DeviceMismatch(f"Expected all tensors to be on the same device: {func} got tensors on the "
+                                 f"accelerator and CPU tensors of shape {shapes}")
+        unwrap = lambda t: t.elem if isinstance(t, OnFake) else t  # noqa: E731
+        args, kwargs = tree_map(unwrap, args), tree_map(unwrap, kwargs)
+        to_fake = on_fake
+        if "device" in kwargs:  # a factory or a copy names where its output goes
+            to_fake = _is_fake(kwargs["device"])
+            if to_fake:
+                kwargs["device"] = torch.device("cpu")
+        elif func is torch.ops.aten.copy_.default:  # dst.copy_(src) stays on dst's device
+            to_fake = isinstance(flat[0], OnFake)
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten.copy_.default or func is torch.ops.aten.set_.source_Tensor:
+            return flat[0] if isinstance(flat[0], OnFake) else out
+        return tree_map(lambda t: OnFake(t) if to_fake and isinstance(t, torch.Tensor) else t, out)
+
+
+_RealGenerator = torch.Generator
+
+
+class _Generator(_RealGenerator):
+    """torch.Generator that accepts the fake device (and gives a CPU generator for it)."""
+
+    def __new__(cls, device="cpu"):
+        return _RealGenerator.__new__(cls, "cpu" if _is_fake(device) else device)
+
+
+def _loaders() -> list[tuple[type, str]]:
+    """from_pretrained of the model classes: they build on the real meta device, so they run outside the mode
+    (the weights load on CPU; the caller's `.to(device)` then moves them to FAKE, as it moves them to a GPU)."""
+    out = []
+    with contextlib.suppress(ImportError):
+        import transformers
+
+        out.append((transformers.PreTrainedModel, "from_pretrained"))
+    with contextlib.suppress(ImportError):
+        import diffusers
+
+        out += [(diffusers.ModelMixin, "from_pretrained"), (diffusers.DiffusionPipeline, "from_pretrained")]
+    return out
+
+
+def _outside_mode(fn):
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def call(*args, **kwargs):
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def fake_accelerator():
+    """Inside: `FAKE` is an accelerator; mixing its tensors with CPU tensors raises DeviceMismatch."""
+    real_gen, patched = torch.Generator, []
+    torch.Generator = _Generator
+    for owner, name in _loaders():
+        real = owner.__dict__[name]
+        patched.append((owner, name, real))
+        setattr(owner, name, classmethod(_outside_mode(real.__func__)))
+    try:
+        with _Mode():
+            yield FAKE
+    finally:
+        torch.Generator = real_gen
+        for owner, name, real in patched:
+            setattr(owner, name, real)
