@@ -57,6 +57,15 @@ class Rollout:
                 out[f.name] = v
         return Rollout(**out)
 
+    def to(self, device: torch.device | str) -> "Rollout":
+        """The same rollout with every tensor field (extras included) on `device`; examples and outputs as they
+        are. The trainer keeps bookkeeping (group ids, masks, rewards) on CPU and moves a minibatch to the device
+        of its log-probs for the loss."""
+        return Rollout(group_id=self.group_id.to(device), old_log_prob=self.old_log_prob.to(device),
+                       action_mask=self.action_mask.to(device), examples=self.examples, outputs=self.outputs,
+                       extras={k: v.to(device) for k, v in self.extras.items()},
+                       is_offpolicy=self.is_offpolicy.to(device))
+
     @staticmethod
     def concat(parts: list["Rollout"]) -> "Rollout":
         """One rollout of all rows of `parts`; group ids are renumbered so groups stay distinct, and [N, A]

@@ -209,7 +209,8 @@ class RewardRunner:
     def _check(out, n):
         if not isinstance(out, dict) or "overall" not in out:
             raise TypeError("a reward must return a dict of [N] tensors with an 'overall' key")
-        out = {k: torch.as_tensor(v, dtype=torch.float32).reshape(-1) for k, v in out.items()}
+        # rewards are bookkeeping: on CPU, whatever device the reward model scored on
+        out = {k: torch.as_tensor(v).detach().to("cpu", torch.float32).reshape(-1) for k, v in out.items()}
         for k, v in out.items():
             if v.shape[0] != n:
                 raise ValueError(f"reward key {k!r} has {v.shape[0]} values for {n} samples")

@@ -287,9 +287,10 @@ class Trainer:
                         raise RuntimeError("deferred old log-probs reached after an optimizer step")
                     old = rollout.old_log_prob[idx]
                     rollout.old_log_prob[idx] = torch.where(deferred, out.log_prob.detach().to(old), old)
-                mb = rollout.select(idx)
+                dev = out.log_prob.device  # the loss runs where the log-probs are; bookkeeping comes from CPU
+                mb = rollout.select(idx).to(dev)
                 logp = RATIO_TRANSFORMS[a.ratio](out.log_prob, mb.old_log_prob, mb, out)
-                loss_a, s = POLICY_LOSSES[a.policy_loss](logp, mb.old_log_prob, adv[idx], a)
+                loss_a, s = POLICY_LOSSES[a.policy_loss](logp, mb.old_log_prob, adv[idx].to(dev), a)
                 if a.kl_coef > 0:
                     with torch.no_grad(), self.policy.reference():
                         ref = self.policy.log_prob(rollout, idx)

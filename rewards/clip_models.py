@@ -32,7 +32,8 @@ def clip_preprocess(images: torch.Tensor, size: int, mean, std) -> torch.Tensor:
                       align_corners=False, antialias=True).clamp(0, 1)
     top, left = round((x.shape[-2] - size) / 2), round((x.shape[-1] - size) / 2)
     x = x[..., top:top + size, left:left + size]
-    mean, std = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
+    mean = torch.tensor(mean, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(std, device=x.device).view(1, 3, 1, 1)
     return (x - mean) / std
 
 

@@ -60,7 +60,7 @@ class OCRReward:
 
     def __call__(self, images: torch.Tensor, examples) -> dict[str, torch.Tensor]:
         targets = [target_text(e if isinstance(e, str) else e["prompt"]) for e in examples]
-        u8 = ((images.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        u8 = ((images.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
         texts = [self.read(np.ascontiguousarray(im)) for im in u8]
         return {"overall": torch.tensor([ocr_score(r, t) for r, t in zip(texts, targets)]),
                 "found": torch.tensor([float(bool(r.strip())) for r in texts])}

@@ -109,12 +109,14 @@ def test_aesthetic_head_by_hand(tiny_clip, tmp_path):
     torch.testing.assert_close(rew(imgs, PROMPTS)["overall"], want)
 
 
-def test_pickscore_hf_clip(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_pickscore(tmp_path_factory):
+    """(folder, model, tokenizer, image processor) of a tiny transformers CLIPModel saved as a PickScore folder."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
 
     from mmrl.models.qwen_vl import build_tokenizer
-    from rewards.clip_models import clip_preprocess
 
+    d = tmp_path_factory.mktemp("pickscore")
     tok = build_tokenizer(PROMPTS * 4, vocab_size=300)
     torch.manual_seed(0)
     cfg = CLIPConfig(text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -123,12 +125,19 @@ def test_pickscore_hf_clip(tmp_path):
                      vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                         image_size=32, patch_size=16), projection_dim=16)
     model = CLIPModel(cfg).eval()
-    model.save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
     ip = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    ip.save_pretrained(tmp_path)
+    ip.save_pretrained(d)
+    return str(d), model, tok, ip
+
+
+def test_pickscore_hf_clip(tiny_pickscore):
+    from rewards.clip_models import clip_preprocess
+
+    path, model, tok, ip = tiny_pickscore
     imgs = images(seed=2)
-    r = REWARDS["pickscore"](path=str(tmp_path))(imgs, PROMPTS)
+    r = REWARDS["pickscore"](path=path)(imgs, PROMPTS)
     with torch.no_grad():
         px = clip_preprocess(imgs, 32, ip.image_mean, ip.image_std)
         out = model(pixel_values=px, **tok(PROMPTS, padding=True, return_tensors="pt"))
@@ -196,20 +205,26 @@ def test_temporal_consistency(tiny_clip):
 
 
 # ------------------------------------------------------------------------------------------- ImageReward
-def test_image_reward_loads_the_original_checkpoint_layout(tmp_path):
+IR_CONFIG = {"vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            image_size=32, patch_size=16, layer_norm_eps=1e-6),
+             "text": dict(vocab_size=5 + len({w for p in PROMPTS for w in p.split()}), hidden_size=16,
+                          intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, encoder_hidden_size=32,
+                          max_position_embeddings=64)}
+
+
+@pytest.fixture(scope="module")
+def tiny_image_reward(tmp_path_factory):
+    """(folder, model, original-layout state dict) of a tiny ImageReward: ImageReward.pt and its tokenizer tok/."""
     from transformers import BertTokenizer
 
-    from rewards.image_reward import MEAN, STD, ImageRewardModel
+    from rewards.image_reward import ImageRewardModel
 
+    d = tmp_path_factory.mktemp("image_reward")
     words = sorted({w for p in PROMPTS for w in p.split()})
-    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
-    BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(tmp_path / "tok")
-    cfg = {"vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                          image_size=32, patch_size=16, layer_norm_eps=1e-6),
-           "text": dict(vocab_size=5 + len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                        num_attention_heads=2, encoder_hidden_size=32, max_position_embeddings=64)}
+    (d / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    BertTokenizer(str(d / "vocab.txt")).save_pretrained(d / "tok")
     torch.manual_seed(0)
-    model = ImageRewardModel(cfg["vision"], cfg["text"]).eval()
+    model = ImageRewardModel(IR_CONFIG["vision"], IR_CONFIG["text"]).eval()
     # the released layout: BLIP's timm-style ViT names, BERT names under blip.text_encoder, unused BLIP heads
     inverse = [("vision.embeddings.class_embedding", "blip.visual_encoder.cls_token"),
                ("vision.embeddings.position_embedding", "blip.visual_encoder.pos_embed"),
@@ -223,21 +238,101 @@ def test_image_reward_loads_the_original_checkpoint_layout(tmp_path):
             k = k.replace(a, b)
         original[k] = v.clone()
     original["blip.text_proj.weight"] = torch.zeros(4, 16)  # BLIP heads ImageReward does not use
-    torch.save(original, tmp_path / "ImageReward.pt")
-    rew = REWARDS["image_reward"](checkpoint=str(tmp_path / "ImageReward.pt"), tokenizer=str(tmp_path / "tok"), config=cfg)
+    torch.save(original, d / "ImageReward.pt")
+    return str(d), model, original
+
+
+def test_image_reward_loads_the_original_checkpoint_layout(tiny_image_reward, tmp_path):
+    from transformers import BertTokenizer
+
+    from rewards.image_reward import MEAN, STD
+
+    d, model, original = tiny_image_reward
+    cfg = IR_CONFIG
+    rew = REWARDS["image_reward"](checkpoint=f"{d}/ImageReward.pt", tokenizer=f"{d}/tok", config=cfg)
     imgs = images(seed=4)
     got = rew(imgs, PROMPTS)["overall"]
     from rewards.clip_models import clip_preprocess
     from rewards.image_reward import CLIP_MEAN, CLIP_STD
 
-    tok = BertTokenizer.from_pretrained(tmp_path / "tok")(PROMPTS, padding="max_length", max_length=35, return_tensors="pt")
+    tok = BertTokenizer.from_pretrained(f"{d}/tok")(PROMPTS, padding="max_length", max_length=35, return_tensors="pt")
     assert (tok.input_ids[:, 0] == 2).all()  # [CLS] leads, as in ImageReward's scoring
     with torch.no_grad():
         img = model.vision(pixel_values=clip_preprocess(imgs, 32, CLIP_MEAN, CLIP_STD)).last_hidden_state
         cls = model.text(input_ids=tok.input_ids, attention_mask=tok.attention_mask, encoder_hidden_states=img).last_hidden_state[:, 0]
         want = (model.mlp(cls) - MEAN) / STD
     torch.testing.assert_close(got, want)
-    del original["blip.visual_encoder.norm.weight"]
-    torch.save(original, tmp_path / "broken.pt")
+    broken = {k: v for k, v in original.items() if k != "blip.visual_encoder.norm.weight"}
+    torch.save(broken, tmp_path / "broken.pt")
     with pytest.raises(ValueError, match="not an ImageReward checkpoint"):
-        REWARDS["image_reward"](checkpoint=str(tmp_path / "broken.pt"), tokenizer=str(tmp_path / "tok"), config=cfg)(imgs, PROMPTS)
+        REWARDS["image_reward"](checkpoint=str(tmp_path / "broken.pt"), tokenizer=f"{d}/tok", config=cfg)(imgs, PROMPTS)
+
+
+# ------------------------------------------------------------------------------------------ on an accelerator
+ZOO = ["shapes", "clip_score", "hpsv2", "aesthetic", "pickscore", "image_reward", "ocr", "video_frames",
+       "temporal_consistency", "temporal_consistency_clip", "motion", "pairwise", "multi"]
+
+
+def zoo_reward(name, device, tiny_clip, tiny_pickscore, tiny_image_reward, tmp_path):
+    """(reward, inputs, examples): every reward of the zoo with its model (if any) on `device`."""
+    arch, d, _ = tiny_clip
+    clip = dict(arch=arch, device=device)
+    if name == "aesthetic":
+        torch.manual_seed(0)
+        from rewards.clip_models import AestheticMLP
+
+        torch.save(AestheticMLP(32).state_dict(), tmp_path / "mlp.pth")
+    made = {
+        "shapes": lambda: REWARDS["shapes"](),
+        "clip_score": lambda: REWARDS["clip_score"](pretrained=f"{d}/tiny.pt", **clip),
+        "hpsv2": lambda: REWARDS["hpsv2"](checkpoint=f"{d}/hps.pt", **clip),
+        "aesthetic": lambda: REWARDS["aesthetic"](mlp=str(tmp_path / "mlp.pth"), clip_pretrained=f"{d}/tiny.pt", **clip),
+        "pickscore": lambda: REWARDS["pickscore"](path=tiny_pickscore[0], device=device),
+        "image_reward": lambda: REWARDS["image_reward"](checkpoint=f"{tiny_image_reward[0]}/ImageReward.pt",
+                                                        tokenizer=f"{tiny_image_reward[0]}/tok", config=IR_CONFIG,
+                                                        device=device),
+        "ocr": lambda: REWARDS["ocr"](),
+        "video_frames": lambda: REWARDS["video_frames"](reward="clip_score",
+                                                        reward_kwargs=dict(pretrained=f"{d}/tiny.pt", **clip)),
+        "temporal_consistency": lambda: REWARDS["temporal_consistency"](),
+        "temporal_consistency_clip": lambda: REWARDS["temporal_consistency"](embed="clip", pretrained=f"{d}/tiny.pt",
+                                                                             **clip),
+        "motion": lambda: REWARDS["motion"](),
+        "pairwise": lambda: REWARDS["pairwise"](judge="score", judge_kwargs={"reward": "shapes"}),
+        "multi": lambda: REWARDS["multi"](components={"shapes": {"weight": 1.0}, "clip_score": {
+            "weight": 0.5, "kwargs": dict(pretrained=f"{d}/tiny.pt", **clip)}}),
+    }
+    video = name in ("video_frames", "temporal_consistency", "temporal_consistency_clip", "motion")
+    x = torch.rand(4, 3, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1 if video else images(seed=5)
+    examples = [{"prompt": p} for p in PROMPTS]
+    if name == "ocr":
+        examples = [{"prompt": f'{p} with the text "ab"'} for p in PROMPTS]
+    if name in ("shapes", "pairwise", "multi"):
+        from tasks import shapes
+
+        examples = [{"prompt": p.text} for p in shapes.prompts("train")[:4]]
+    if name == "motion":
+        from tasks import motion
+
+        examples = [{"prompt": p.text} for p in motion.prompts("train")[:4]]
+    return made[name](), x, examples
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_every_reward_runs_on_an_accelerator(name, tiny_clip, tiny_pickscore, tiny_image_reward, tmp_path):
+    """Images on the (fake) accelerator and the reward model there too: no op mixes devices (the check a GPU
+    would make), and the scores equal the CPU ones."""
+    from mmrl.reward import RewardRunner
+    from mmrl.testing.fake_device import fake_accelerator
+
+    reward, x, examples = zoo_reward(name, "cpu", tiny_clip, tiny_pickscore, tiny_image_reward, tmp_path)
+    gid = torch.tensor([0, 0, 1, 1])
+    want, ok, _ = RewardRunner(reward, "raise")(x, examples, gid)
+    with fake_accelerator() as dev:
+        reward, x, examples = zoo_reward(name, dev, tiny_clip, tiny_pickscore, tiny_image_reward, tmp_path)
+        got, ok_dev, _ = RewardRunner(reward, "raise")(x.to(dev), examples, gid)
+    assert ok.all() and ok_dev.all()
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].device.type == "cpu"
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-5)

@@ -22,6 +22,7 @@ import contextlib
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 FAKE = torch.device("meta")
@@ -53,6 +54,12 @@ class OnFake(torch.Tensor):
 
     def __repr__(self):
         return f"OnFake({self.elem!r})"
+
+    def tolist(self):  # a GPU tensor's tolist syncs and copies
+        return self.elem.tolist()
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert an accelerator tensor to numpy: use Tensor.cpu() to copy it to host first")
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -89,6 +96,18 @@ class _Mode(TorchDispatchMode):
 
 
 _RealGenerator = torch.Generator
+
+
+class _DataFactories(TorchFunctionMode):
+    """torch.tensor / torch.as_tensor with device=FAKE build on the real meta device without dispatching an
+    op: build them on CPU and move them (a dispatched copy the mode sees)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in (torch.tensor, torch.as_tensor) and _is_fake(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+            return func(*args, **kwargs).to(FAKE)
+        return func(*args, **kwargs)
 
 
 class _Generator(_RealGenerator):
@@ -133,7 +152,7 @@ def fake_accelerator():
         patched.append((owner, name, real))
         setattr(owner, name, classmethod(_outside_mode(real.__func__)))
     try:
-        with _Mode():
+        with _Mode(), _DataFactories():
             yield FAKE
     finally:
         torch.Generator = real_gen
