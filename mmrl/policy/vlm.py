@@ -237,7 +237,8 @@ class TokenPolicy:
         if self.suppress_ids:
             logits[..., self.suppress_ids] = float("-inf")
         logp, ent = selective_log_softmax(logits, ids.to(self.device))
-        real = completion_mask(ids, self.eos_id).to(self.device)  # padding after EOS: 0, never -inf
+        # padding after EOS (or after a truncated row, once injection widened the batch): 0, never -inf
+        real = (completion_mask(ids, self.eos_id) & rollout.action_mask[index]).to(self.device)
         return PolicyOutput(logp.masked_fill(~real, 0.0), {"entropy": ent.masked_fill(~real, 0.0)})
 
     def _shared_prefix_logits(self, prompts: list[dict], distinct: list[dict], ids: torch.Tensor) -> torch.Tensor:
@@ -302,7 +303,11 @@ class TokenPolicy:
             ids[r, :len(x)] = torch.tensor(x)
         off = rollout.is_offpolicy.clone()
         off[rows] = True
-        ro = Rollout(group_id=rollout.group_id, old_log_prob=torch.zeros(ids.shape), action_mask=completion_mask(ids, self.eos_id),
+        # a sampled row that hit max_new_tokens without EOS gains pad columns: they are not actions
+        mask = torch.zeros(ids.shape, dtype=torch.bool)
+        mask[:, :old.shape[1]] = rollout.action_mask
+        mask[rows] = completion_mask(ids[rows], self.eos_id)
+        ro = Rollout(group_id=rollout.group_id, old_log_prob=torch.zeros(ids.shape), action_mask=mask,
                      examples=rollout.examples, outputs=self.decode(ids), extras={"completion_ids": ids},
                      is_offpolicy=off)
         ro.old_log_prob[:, :old.shape[1]] = rollout.old_log_prob

@@ -75,7 +75,10 @@ class _Mode(TorchDispatchMode):
         kwargs = dict(kwargs or {})
         flat, _ = tree_flatten((args, kwargs))
         on_fake = any(isinstance(t, OnFake) for t in flat)
-        host = [t for t in flat if isinstance(t, torch.Tensor) and not isinstance(t, OnFake) and t.dim() > 0]
+        plain = [t for t in flat if isinstance(t, torch.Tensor) and not isinstance(t, OnFake)]
+        if any(t.is_meta for t in plain):  # made on the meta device behind the mode's back: it has no values
+            raise RuntimeError(f"{func} got a value-less meta tensor; fake_accelerator() must learn how it was made")
+        host = [t for t in plain if t.dim() > 0]
         if on_fake and host and func not in _CROSS_DEVICE:
             shapes = ", ".join(str(tuple(t.shape)) for t in host[:3])
             raise DeviceMismatch(f"Expected all tensors to be on the same device: {func} got tensors on the "
@@ -104,7 +107,17 @@ class _DataFactories(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func in (torch.tensor, torch.as_tensor) and _is_fake(kwargs.get("device")):
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and isinstance(args[0], OnFake):
+            # x[..., [1, 2]]: torch builds the list's index tensor on x's (meta) device; build it on CPU
+            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
+            idx = tuple(torch.tensor(i) if isinstance(i, list) else i for i in idx)
+            return func(args[0], idx, *args[2:], **kwargs)
+        if func not in (torch.tensor, torch.as_tensor):
+            return func(*args, **kwargs)
+        # data given as accelerator tensors (e.g. a list of scalars) is read as a GPU would read it: a copy
+        if args and isinstance(args[0], (list, tuple)):
+            args = (tree_map(lambda t: t.elem if isinstance(t, OnFake) else t, args[0]), *args[1:])
+        if _is_fake(kwargs.get("device")):
             kwargs["device"] = "cpu"
             return func(*args, **kwargs).to(FAKE)
         return func(*args, **kwargs)
