@@ -112,6 +112,8 @@ class RewardConfig:
     eval_kwargs: dict = field(default_factory=dict)  # reward has no per-sample score: name the gold one here)
     workers: int = 0              # > 0: score rollout chunks in a thread pool while the next chunk samples
     overlap_chunks: int = 2       # chunks the prompts of one iteration are sampled in when workers > 0
+    max_failed_fraction: float = 0.5  # an iteration whose failed (raised / NaN) samples exceed this fraction stops
+                                      # the run: a reward that cannot score the task's outputs trains nothing
 
 
 @dataclass
@@ -154,6 +156,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     ema_decay: float = 0.0        # 0 = off; else EMA of trainable weights, used for eval and saved
     seed: int = 0
+    zero_signal_patience: int = 5  # warn when this many iterations in a row have all-zero advantages (nothing learned)
     threads: int = 0              # torch CPU threads; 0 = leave torch's default
     time_budget_min: float = 0.0  # stop after this many minutes of training (0 = no limit)
     parallel: str = "none"        # several processes (torchrun / accelerate launch): ddp | fsdp (FSDP2 fully_shard)
@@ -217,6 +220,8 @@ class Config:
             if self.algo.reward_shaping != "none" or self.tree.split_steps:
                 raise ValueError("algo.reward_aggregation=gdpo does not combine with algo.reward_shaping or tree "
                                  "rollouts: use algo.reward_aggregation=sum")
+        if not 0 <= self.reward.max_failed_fraction <= 1:
+            raise ValueError(f"reward.max_failed_fraction must be in [0, 1], got {self.reward.max_failed_fraction}")
         if self.reward.workers < 0 or self.reward.overlap_chunks < 1:
             raise ValueError("reward.workers must be >= 0 and reward.overlap_chunks >= 1")
         if self.reward.workers and self.tree.split_steps:

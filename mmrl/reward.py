@@ -173,6 +173,7 @@ class RewardRunner:
 
     def __init__(self, fn: Callable, on_error: str = "skip"):
         self.fn, self.on_error = fn, on_error
+        self.last_error: str | None = None  # the most recent exception, "Type: message", for error reports
 
     def __call__(self, outputs, examples: list[dict], group_id: torch.Tensor | None = None
                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
@@ -189,6 +190,7 @@ class RewardRunner:
         except Exception as e:  # noqa: BLE001 - isolate the failing samples below
             if self.on_error == "raise":
                 raise
+            self.last_error = f"{type(e).__name__}: {e}"
             if groups or not getattr(self.fn, "per_sample_retry", True):
                 log.warning("reward raised on the batch (%s: %s); all %d samples are invalid", type(e).__name__, e, n)
                 out = {"overall": torch.full((n,), float("nan"))}
@@ -223,6 +225,7 @@ class RewardRunner:
                 rows.append(self._check(self.fn(_rows(outputs, i), examples[i:i + 1]), 1))
             except Exception as e:  # noqa: BLE001
                 log.warning("reward raised for sample %d (%s: %s)", i, type(e).__name__, e)
+                self.last_error = f"{type(e).__name__}: {e}"
                 rows.append(None)
         keys = sorted({k for r in rows if r for k in r}) or ["overall"]
         return {k: torch.tensor([float(r[k][0]) if r and k in r else float("nan") for r in rows]) for k in keys}

@@ -66,6 +66,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.ema = [p.detach().clone() for p in self.params] if cfg.train.ema_decay > 0 else None
         self.iteration = 0
+        self._zero_iters = 0  # iterations in a row whose advantages were all zero
         self.elapsed_min = 0.0  # training minutes so far (saved: a resumed run keeps its budget and lr schedule)
         # One optimizer step per epoch: every row's first forward runs under the sampling weights, so the
         # rollout's old log-probs are that forward's (detached) values; policies that must pay an extra
@@ -130,6 +131,7 @@ class Trainer:
         if "tree_node" in rollout.extras:  # BranchGRPO: per-transition advantages [N, A] and the trained mask
             adv, tree_stats = tree_advantages(shaped, rollout, valid, cfg, ADVANTAGES[a.advantage], it)
             adv_stats.update(tree_stats)
+        self._check_signal(valid, adv)
         rollout.action_mask &= valid.unsqueeze(-1)
         metrics.update({f"reward/{k}_mean": v[valid].mean().item() if valid.any() else 0.0 for k, v in rewards.items()})
         metrics["reward/overall_std"] = rewards["overall"][valid].std().item() if valid.sum() > 1 else 0.0
@@ -335,6 +337,24 @@ class Trainer:
         return out
 
     # -------------------------------------------------------------------------------------------- helpers
+    def _check_signal(self, valid: torch.Tensor, adv: torch.Tensor) -> None:
+        """No run goes on training on nothing: too many failed rewards stop it; advantages that stay all zero
+        (constant rewards in every group) are warned about after train.zero_signal_patience iterations."""
+        r, n = self.cfg.reward, len(valid)
+        failed = int((~valid).sum())
+        if failed > r.max_failed_fraction * n:
+            raise RuntimeError(
+                f"reward {r.name!r} failed on {failed} of {n} samples this iteration (reward.max_failed_fraction="
+                f"{r.max_failed_fraction}); last error: {self.reward.last_error or 'NaN/inf scores'}. Fix: use a "
+                f"reward that scores this task's outputs (task.name={self.cfg.task.name!r}), fix the reward's inputs, "
+                f"or raise reward.max_failed_fraction to tolerate it")
+        self._zero_iters = self._zero_iters + 1 if not bool((adv[valid] != 0).any()) else 0
+        patience = self.cfg.train.zero_signal_patience
+        if patience and self._zero_iters >= patience and self._zero_iters % patience == 0:
+            log.warning("NO LEARNING SIGNAL: every advantage has been 0 for %d iterations (each group's rewards are "
+                        "equal). Check the reward on these outputs, raise train.group_size or sampler.noise_level, or "
+                        "set algo.dynamic_sampling=true", self._zero_iters)
+
     def _per_category(self, rollout, rewards, valid) -> dict:
         cats = [e.get("category") for e in rollout.examples]
         out = {}

@@ -26,6 +26,11 @@ def _flaky(**kw):
     return fn
 
 
+@REWARDS.register("test_constant")
+def _constant(**kw):
+    return lambda outputs, examples: {"overall": torch.ones(len(examples))}
+
+
 def cfg_for(path, tmp_path, *items):
     return load_config("configs/tiny/flow_smoke.yaml", [f"model.path={path}", f"log.out_dir={tmp_path}",
                                                         "log.tensorboard=false", *items])
@@ -172,3 +177,23 @@ def test_lr_scale_by_hand():
     assert lr_scale(90, 100, 0.0, 0.0, 0, 0.2) == pytest.approx(0.5)       # (1 - 0.9) / 0.2
     assert lr_scale(5, 1000, 7.2, 8.0, 0, 0.2) == pytest.approx(0.5)       # the time budget ends it first
     assert lr_scale(5, 1000, 9.0, 8.0, 0, 0.2) == 0.0                      # past the budget: never negative
+
+
+def test_a_reward_failing_on_every_sample_stops_the_run(tiny_pixel_model, tmp_path):
+    """The README's old SD3.5 mistake: the shapes detector on GenEval prompts raises for every sample; the run must
+    stop naming the reward and the fix instead of training on zero loss."""
+    prompts = tmp_path / "geneval.txt"
+    prompts.write_text("a photo of a bicycle\na photo of two cats\n")
+    tr = Trainer(cfg_for(tiny_pixel_model, tmp_path, "task.name=prompt_file", f"task.prompt_file={prompts}",
+                         "log.eval_at_start=false"))
+    with pytest.raises(RuntimeError, match=r"reward 'shapes' failed on 6 of 6 samples.*not a shapes-world prompt.*Fix"):
+        tr.step(0)
+
+
+def test_all_zero_advantages_warn_after_patience(tiny_pixel_model, tmp_path, caplog):
+    tr = Trainer(cfg_for(tiny_pixel_model, tmp_path, "reward.name=test_constant", "train.zero_signal_patience=2",
+                         "log.eval_at_start=false"))
+    tr.step(0)
+    assert "NO LEARNING SIGNAL" not in caplog.text
+    tr.step(1)
+    assert "NO LEARNING SIGNAL: every advantage has been 0 for 2 iterations" in caplog.text
