@@ -50,21 +50,36 @@ def write_policy_meta(path: str, policy: str, base_model: str, lora: bool, **mod
                    "model_options": model_options}, f, indent=2)
 
 
-def save_lora_adapter(module: torch.nn.Module, lora_config, path: str) -> None:
-    """The peft adapter of `module`: adapter_model.safetensors + adapter_config.json."""
+PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before module names
+
+
+def save_lora_adapter(module: torch.nn.Module, lora_config, path: str) -> dict[str, torch.Tensor]:
+    """The peft adapter of `module` as `PeftModel.from_pretrained` reads it: adapter_model.safetensors (keys under
+    base_model.model.) + adapter_config.json. Returns the adapter's state dict (module names, no prefix)."""
     import os
 
-    from peft import get_peft_model_state_dict
+    from peft import PeftModel, get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(module).items()}, os.path.join(path, ADAPTER_FILE))
+    sd = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(module).items()}
+    prefix = "" if isinstance(module, PeftModel) else PEFT_PREFIX  # a PeftModel's names carry it already
+    save_file({prefix + k: v.cpu() for k, v in sd.items()}, os.path.join(path, ADAPTER_FILE))
     lora_config.save_pretrained(path)
+    return {k.removeprefix(PEFT_PREFIX): v for k, v in sd.items()}
 
 
 def load_lora_adapter(module: torch.nn.Module, path: str) -> None:
+    """Load adapter_model.safetensors (written by save_lora_adapter) into the adapter injected in `module`."""
     import os
 
-    from peft import set_peft_model_state_dict
+    from peft import PeftModel, set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    set_peft_model_state_dict(module, load_file(os.path.join(path, ADAPTER_FILE)))
+    sd = load_file(os.path.join(path, ADAPTER_FILE))
+    if not isinstance(module, PeftModel):
+        sd = {k.removeprefix(PEFT_PREFIX): v for k, v in sd.items()}
+    result = set_peft_model_state_dict(module, sd)
+    missing = [k for k in getattr(result, "unexpected_keys", [])]
+    if missing:
+        raise ValueError(f"{path}: adapter weights {missing[:3]} ... match no LoRA layer of the model; was it "
+                         f"trained on another base model or with other model.lora.target_modules?")

@@ -230,7 +230,8 @@ class FlowPolicy:
         model folder (loadable by load_flow_model) for the pixel model, else the transformer's weights."""
         write_policy_meta(path, "flow", self.model_path, self.lora, **self.model_options)
         if self.lora:
-            save_lora_adapter(self.transformer, self.lora_config, path)
+            save_diffusers_lora(self.transformer, save_lora_adapter(self.transformer, self.lora_config, path),
+                                self.lora_config, path)
             return
         self.transformer.save_pretrained(os.path.join(path, "transformer"))
         if self.model_path and os.path.isfile(os.path.join(self.model_path, "model_index.json")):
@@ -241,6 +242,26 @@ class FlowPolicy:
             load_lora_adapter(self.transformer, path)
         else:
             _load_transformer_weights(self.transformer, path)
+
+
+# the diffusers pipeline whose LoRA loader reads each transformer class's adapters
+LORA_PIPELINES = {"SD3Transformer2DModel": "StableDiffusion3Pipeline", "FluxTransformer2DModel": "FluxPipeline",
+                  "WanTransformer3DModel": "WanPipeline"}
+
+
+def save_diffusers_lora(transformer: torch.nn.Module, adapter: dict[str, torch.Tensor], lora_config, path: str) -> None:
+    """pytorch_lora_weights.safetensors: the adapter as diffusers saves it (keys under `transformer.`, rank and
+    alpha in the file's metadata), so `pipe.load_lora_weights(path)` of the base pipeline loads it as trained."""
+    import diffusers
+
+    name = LORA_PIPELINES.get(type(transformer).__name__)
+    if name is None:
+        return
+    meta = {k: v for k, v in lora_config.to_dict().items() if k in ("r", "lora_alpha", "target_modules",
+                                                                    "init_lora_weights", "use_dora")}
+    meta["target_modules"] = sorted(meta["target_modules"])
+    getattr(diffusers, name).save_lora_weights(path, transformer_lora_layers={k: v.cpu() for k, v in adapter.items()},
+                                               transformer_lora_adapter_metadata=meta)
 
 
 def _load_transformer_weights(transformer: torch.nn.Module, path: str) -> None:
