@@ -1,5 +1,6 @@
 """`mmrl train CONFIG [--resume] [key=value ...]`, `mmrl eval CHECKPOINT [--n N]` and
-`mmrl serve-reward NAME [--kwargs JSON] [--port P]` (mmrl/reward_server.py)."""
+`mmrl serve-reward NAME [--kwargs JSON] [--port P]` (mmrl/reward_server.py), `mmrl export CHECKPOINT OUT` (a merged
+model folder for diffusers / transformers; mmrl/export.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--max-wait-ms", type=float, default=10.0, help="how long a batch waits for more requests")
     sv.add_argument("--queue", type=int, default=64, help="queued requests before answering 503 (backpressure)")
     sv.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a queued request gets 504")
+    ex = sub.add_parser("export", help="merge a trained policy (LoRA fused) into a plain save_pretrained folder")
+    ex.add_argument("checkpoint", help="a policy folder or a trainer checkpoint (runs/NAME/checkpoints/iter-N)")
+    ex.add_argument("out", help="the new model folder")
     args, extra = p.parse_known_args(argv)  # `--resume` may come before or after the overrides
     if extra and (args.cmd != "train" or any(x.startswith("-") or "=" not in x for x in extra)):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -42,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         from mmrl.reward_server import serve_main
 
         return serve_main(args)
+    if args.cmd == "export":
+        from mmrl.export import export
+
+        print(export(args.checkpoint, args.out))
+        return 0
     if args.cmd == "train":
         from mmrl.config import load_config
         from mmrl.trainer import train

@@ -83,3 +83,29 @@ def test_lora_adapter_loads_in_diffusers_and_peft(sd3_dir, tmp_path):
     base.transformer = pipe.transformer
     torch.testing.assert_close(base.generate(["a cat"], [3], 4, 1.0, 3.0),
                                pol.model.generate(["a cat"], [3], 4, 1.0, 3.0), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_export_writes_a_pipeline_diffusers_loads(sd3_dir, tmp_path, lora):
+    from diffusers import StableDiffusion3Pipeline
+
+    from mmrl.cli import main
+    from mmrl.policy.flow_model import load_flow_model
+
+    cfg = load_config(None, [f"model.path={sd3_dir}", f"model.lora.enabled={lora}", "model.lora.rank=4",
+                             "model.reference=none"])
+    pol = POLICIES["flow"](cfg)
+    with torch.no_grad():
+        for p in pol.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    pol.save_pretrained(str(tmp_path / "policy"))
+    assert main(["export", str(tmp_path / "policy"), str(tmp_path / "merged")]) == 0
+    assert isinstance(StableDiffusion3Pipeline.from_pretrained(str(tmp_path / "merged")), StableDiffusion3Pipeline)
+    merged = load_flow_model(str(tmp_path / "merged"))
+    x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(2))
+    enc, pooled = pol.model.encode_prompts(["a cat"])
+    with torch.no_grad():
+        torch.testing.assert_close(merged.velocity(x, torch.tensor([0.5]), enc, pooled),
+                                   pol.model.velocity(x, torch.tensor([0.5]), enc, pooled), atol=1e-5, rtol=1e-5)
+    with pytest.raises(FileExistsError, match="not empty"):
+        main(["export", str(tmp_path / "policy"), str(tmp_path / "merged")])

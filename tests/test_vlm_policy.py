@@ -223,3 +223,21 @@ def test_prefix_cache_engine_matches_hf_generate(kind, media, tmp_path, tiny_wor
     sampled = SamplingParams(max_new_tokens=12, temperature=1.0, group_size=4)
     a, b = pol.engine.generate(batch, sampled, 7), pol.engine.generate(batch, sampled, 7)
     assert torch.equal(a, b) and not torch.equal(a, pol.engine.generate(batch, sampled, 8))
+
+
+def test_export_merges_the_lora_into_a_transformers_folder(tiny_vl, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from mmrl.export import export
+
+    pol = policy_for(tiny_vl, lora=True, model_path=tiny_vl)
+    with torch.no_grad():
+        for p in pol.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    pol.save_pretrained(str(tmp_path / "policy"))
+    export(str(tmp_path / "policy"), str(tmp_path / "merged"))
+    merged = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "merged")).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    pol.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, pol.model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)

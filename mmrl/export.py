@@ -1,0 +1,67 @@
+"""`mmrl export CHECKPOINT OUT`: a trained policy as a plain model folder other tools load without mmrl.
+
+- flow policy on a diffusers pipeline (SD3 / FLUX / Wan): the base pipeline with the LoRA fused into the
+  transformer (or the fully fine-tuned transformer swapped in), written by `pipe.save_pretrained(OUT)`;
+- flow policy on mmrl's pixel model: the model folder with the merged transformer;
+- token policy: `merge_and_unload()` of the peft adapter (or the full model), with its processor, written by
+  `save_pretrained(OUT)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+
+def export(checkpoint: str, out: str) -> str:
+    """Write the merged model of `checkpoint` (a policy folder, or a trainer checkpoint iter-N) to `out`."""
+    if os.path.isfile(os.path.join(checkpoint, "policy", "mmrl_policy.json")):
+        checkpoint = os.path.join(checkpoint, "policy")
+    meta_file = os.path.join(checkpoint, "mmrl_policy.json")
+    if not os.path.isfile(meta_file):
+        raise FileNotFoundError(f"{checkpoint!r} has no mmrl_policy.json: point at a policy folder written by mmrl "
+                                f"(runs/NAME/checkpoints/iter-N or its policy/)")
+    if os.path.exists(out) and os.listdir(out):
+        raise FileExistsError(f"{out!r} exists and is not empty: choose a new folder")
+    meta = json.load(open(meta_file))
+    tmp = out.rstrip("/") + ".tmp-export"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (_export_flow if meta["policy"] == "flow" else _export_token)(checkpoint, meta, tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def _export_flow(checkpoint: str, meta: dict, out: str) -> None:
+    import diffusers
+
+    from mmrl.models.pixel_t2i import PIPELINE_CLASS
+    from mmrl.policy.flow import _link_base_parts, load_policy_checkpoint
+
+    base = meta["base_model"]
+    cls = json.load(open(os.path.join(base, "model_index.json")))["_class_name"]
+    if cls == PIPELINE_CLASS:  # mmrl's pixel model: merged transformer + the base's text encoder and tokenizer
+        model = load_policy_checkpoint(checkpoint)
+        if meta["lora"]:
+            model.transformer.fuse_lora()
+            model.transformer.unload_lora()
+        model.transformer.save_pretrained(os.path.join(out, "transformer"))
+        _link_base_parts(base, out)
+        return
+    pipe = getattr(diffusers, cls).from_pretrained(base)
+    if meta["lora"]:
+        pipe.load_lora_weights(checkpoint)
+        pipe.fuse_lora()
+        pipe.unload_lora_weights()
+    else:
+        pipe.transformer = type(pipe.transformer).from_pretrained(os.path.join(checkpoint, "transformer"))
+    pipe.save_pretrained(out)
+
+
+def _export_token(checkpoint: str, meta: dict, out: str) -> None:
+    from mmrl.policy.vlm import load_token_policy
+
+    pol = load_token_policy(checkpoint)
+    model = pol.model.merge_and_unload() if meta["lora"] else pol.model
+    model.save_pretrained(out)
+    pol.processor.save_pretrained(out)
