@@ -162,6 +162,9 @@ class TrainConfig:
     parallel: str = "none"        # several processes (torchrun / accelerate launch): ddp | fsdp (FSDP2 fully_shard)
     mixed_precision: str = "no"   # bf16: training forward in bf16 (autocast; FSDP: bf16 params, fp32 reduction) | no
     gradient_checkpointing: bool = False  # recompute activations in backward (the trained transformer / LM)
+    micro_batch: int = 0          # rows per model forward, bounding peak memory: in training (flow: transitions,
+                                  # token: sequences; gradients accumulate to the whole minibatch's), sampling,
+                                  # VAE decoding and old log-probs. 0 = a whole minibatch / rollout at once
 
 
 @dataclass
@@ -247,6 +250,14 @@ class Config:
             raise ValueError(f"train.minibatches={t.minibatches} must divide prompts_per_iter * group_size = {n}")
         if t.minibatches % t.grad_accum:
             raise ValueError(f"train.grad_accum={t.grad_accum} must divide train.minibatches={t.minibatches}")
+        if t.micro_batch < 0:
+            raise ValueError(f"train.micro_batch must be >= 0 (0 = no split), got {t.micro_batch}")
+        if t.micro_batch and self.algo.ratio == "gspo" and self.model.policy == "flow":
+            raise ValueError("algo.ratio=gspo averages a sample's actions, which train.micro_batch splits for flow "
+                             "policies: set train.micro_batch=0 or algo.ratio=none")
+        if t.micro_batch and t.parallel == "fsdp" and self.model.policy != "flow":
+            raise ValueError("train.micro_batch with train.parallel=fsdp would give ranks different numbers of "
+                             "generation forwards for token policies: set train.micro_batch=0")
         if not 0 <= t.ema_decay < 1:
             raise ValueError(f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
         if self.algo.clip_range <= 0:

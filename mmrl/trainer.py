@@ -281,43 +281,8 @@ class Trainer:
                 first = m - m % t.grad_accum
                 step_rows = torch.cat(chunks[first:first + t.grad_accum])
                 n_step, a_step = len(step_rows) / w, max(int(row_actions[step_rows].sum()), 1) / w
-                with self._autocast():
-                    out = self.policy.log_prob(rollout, idx)
-                deferred = torch.isnan(rollout.old_log_prob[idx])
-                if deferred.any():  # fill deferred old log-probs from this first forward (weights unchanged)
-                    if steps:
-                        raise RuntimeError("deferred old log-probs reached after an optimizer step")
-                    old = rollout.old_log_prob[idx]
-                    rollout.old_log_prob[idx] = torch.where(deferred, out.log_prob.detach().to(old), old)
-                dev = out.log_prob.device  # the loss runs where the log-probs are; bookkeeping comes from CPU
-                mb = rollout.select(idx).to(dev)
-                logp = RATIO_TRANSFORMS[a.ratio](out.log_prob, mb.old_log_prob, mb, out)
-                loss_a, s = POLICY_LOSSES[a.policy_loss](logp, mb.old_log_prob, adv[idx].to(dev), a)
-                if a.kl_coef > 0:
-                    with torch.no_grad(), self.policy.reference():
-                        ref = self.policy.log_prob(rollout, idx)
-                    kl = KL_ESTIMATORS[a.kl](out, ref)
-                    loss_a = loss_a + a.kl_coef * kl
-                    s["kl"] = kl.detach()
-                for name in a.weighting.split("+"):
-                    loss_a = loss_a * WEIGHTINGS[name](mb, out)
-                if a.sft_coef > 0:  # supervised anchor: NLL of the injected (off-policy) rows' actions
-                    inj = mb.is_offpolicy[:, None] & mb.action_mask  # [n, A]
-                    loss_a = loss_a - a.sft_coef * out.log_prob * inj
-                    if inj.any():
-                        stats.setdefault("sft_nll", []).append(-out.log_prob.detach()[inj].mean().item())
-                loss = LOSS_AGG[a.loss_agg](loss_a, mb.action_mask, n_step, a_step) * weight
-                loss.backward()
-                mask = mb.action_mask
-                for k, v in s.items():
-                    stats.setdefault(k, []).append(v[mask].float().mean().item() if mask.any() else 0.0)
-                stats.setdefault("approx_kl", []).append(
-                    (0.5 * (out.log_prob.detach() - mb.old_log_prob) ** 2)[mask].mean().item() if mask.any() else 0.0)
-                stats.setdefault("loss", []).append(loss.item())
-                for k, v in out.stats.items():  # per-action policy statistics, e.g. token entropy
-                    if v.shape == out.log_prob.shape and mask.any():
-                        stats.setdefault(f"policy_{k}", []).append(v.detach()[mask].float().mean().item())
-                ratios.append((s["ratio"] * mask).sum(0) / mask.sum(0).clamp(min=1))
+                for part, actions in self._micro_batches(rollout, idx):
+                    self._accumulate(rollout, part, actions, adv, n_step, a_step, weight, steps, stats, ratios)
                 if (m + 1) % t.grad_accum == 0:
                     stats.setdefault("grad_norm", []).append(
                         full(torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm)).item())
@@ -329,12 +294,79 @@ class Trainer:
         out["train/clip_frac"] = out.pop("train/clipped", 0.0)
         out["train/ratio_mean"] = out.pop("train/ratio", 1.0)
         labels = rollout.extras.get("step_index")
-        for j, r in enumerate(torch.stack(ratios).mean(0).tolist()):
+        per_action = torch.stack([r for r, _ in ratios]).sum(0) / torch.stack([c for _, c in ratios]).sum(0).clamp(min=1)
+        for j, r in enumerate(per_action.tolist()):
             out[f"ratio_per_action/{int(labels[0, j]) if labels is not None else j}"] = r
         out["train/optimizer_steps"] = steps
         if steps and hasattr(self.policy, "sync_weights"):  # an engine with its own weight copy (vLLM) reloads
             self.policy.sync_weights()
         return out
+
+    def _micro_batches(self, rollout: Rollout, idx: torch.Tensor):
+        """(rows [n'], actions [n', A] bool or None) parts of minibatch `idx` with at most train.micro_batch rows
+        per training forward: transitions for policies that score actions independently (flow:
+        `policy.scores_actions`), whole sequences otherwise. None = every trained action of the rows."""
+        size = self.cfg.train.micro_batch
+        if not size:
+            yield idx, None
+            return
+        if not getattr(self.policy, "scores_actions", False):
+            yield from ((part, None) for part in idx.split(size))
+            return
+        mask = rollout.action_mask[idx]                                        # [n, A]
+        pairs = mask.nonzero()                                                 # [k, 2] (row in idx, action)
+        if not len(pairs):
+            yield idx, None
+            return
+        for chunk in pairs.split(size):
+            rows, inv = torch.unique(chunk[:, 0], return_inverse=True)
+            actions = torch.zeros(len(rows), mask.shape[1], dtype=torch.bool)
+            actions[inv, chunk[:, 1]] = True
+            yield idx[rows], actions
+
+    def _accumulate(self, rollout, idx, actions, adv, n_step, a_step, weight, steps, stats, ratios) -> None:
+        """Forward and backward of rows `idx` (only `actions` [n, A] when given) with the loss normalized by the
+        optimizer step's sizes: the gradients of the parts add up to the gradient of the whole minibatch."""
+        a = self.cfg.algo
+        kw = {} if actions is None else {"actions": actions}
+        with self._autocast():
+            out = self.policy.log_prob(rollout, idx, **kw)
+        deferred = torch.isnan(rollout.old_log_prob[idx])
+        if deferred.any():  # fill deferred old log-probs from this first forward (weights unchanged)
+            if steps:
+                raise RuntimeError("deferred old log-probs reached after an optimizer step")
+            old = rollout.old_log_prob[idx]
+            rollout.old_log_prob[idx] = torch.where(deferred, out.log_prob.detach().to(old), old)
+        dev = out.log_prob.device  # the loss runs where the log-probs are; bookkeeping comes from CPU
+        mb = rollout.select(idx).to(dev)
+        logp = RATIO_TRANSFORMS[a.ratio](out.log_prob, mb.old_log_prob, mb, out)
+        loss_a, s = POLICY_LOSSES[a.policy_loss](logp, mb.old_log_prob, adv[idx].to(dev), a)
+        if a.kl_coef > 0:
+            with torch.no_grad(), self.policy.reference():
+                ref = self.policy.log_prob(rollout, idx, **kw)
+            kl = KL_ESTIMATORS[a.kl](out, ref)
+            loss_a = loss_a + a.kl_coef * kl
+            s["kl"] = kl.detach()
+        for name in a.weighting.split("+"):
+            loss_a = loss_a * WEIGHTINGS[name](mb, out)
+        mask = mb.action_mask  # the whole rows' actions normalize the loss; this part's actions carry it
+        part = mask if actions is None else mask & actions.to(dev)
+        if a.sft_coef > 0:  # supervised anchor: NLL of the injected (off-policy) rows' actions
+            inj = mb.is_offpolicy[:, None] & part  # [n, A]
+            loss_a = loss_a - a.sft_coef * out.log_prob * inj
+            if inj.any():
+                stats.setdefault("sft_nll", []).append(-out.log_prob.detach()[inj].mean().item())
+        loss = LOSS_AGG[a.loss_agg](loss_a * part, mask, n_step, a_step) * weight
+        loss.backward()
+        for k, v in s.items():
+            stats.setdefault(k, []).append(v[part].float().mean().item() if part.any() else 0.0)
+        stats.setdefault("approx_kl", []).append(
+            (0.5 * (out.log_prob.detach() - mb.old_log_prob) ** 2)[part].mean().item() if part.any() else 0.0)
+        stats.setdefault("loss", []).append(loss.item())
+        for k, v in out.stats.items():  # per-action policy statistics, e.g. token entropy
+            if v.shape == out.log_prob.shape and part.any():
+                stats.setdefault(f"policy_{k}", []).append(v.detach()[part].float().mean().item())
+        ratios.append(((s["ratio"] * part).sum(0), part.sum(0)))
 
     # -------------------------------------------------------------------------------------------- helpers
     def _check_signal(self, valid: torch.Tensor, adv: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ WEIGHTS_FILE = "trainable.safetensors"
 
 class FlowPolicy:
     def __init__(self, model: FlowModel, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = "",
-                 progress: bool = False, tree_cfg=None, model_options: dict | None = None):
+                 progress: bool = False, tree_cfg=None, model_options: dict | None = None, micro_batch: int = 0):
         from mmrl.config import TreeConfig
 
         self.model, self.cfg, self.model_path, self.progress = model, sampler_cfg, model_path, progress
@@ -58,6 +58,7 @@ class FlowPolicy:
                                 float(self.sigmas[1]))
         self.schedule_std_mean = float(stds.mean())
         self._neg = None
+        self.micro_batch = micro_batch  # rows per forward without gradients (sampling, decoding); 0 = all
 
     # ----------------------------------------------------------------------------------------------- sampling
     def _window(self, generator: torch.Generator) -> list[int]:
@@ -76,9 +77,14 @@ class FlowPolicy:
         return self._neg[0].expand(n, -1, -1), self._neg[1].expand(n, -1)
 
     def _velocity_fn(self, enc, pooled):
+        """v(x [n, *D], sigma [n]) with the prompts' embeddings enc [n, L, D], pooled [n, P] and CFG; without
+        gradients it runs micro_batch rows per forward (CFG doubles them)."""
         cfg = self.cfg.cfg_scale
-        neg = self._negative(enc.shape[0]) if cfg != 1.0 else None
-        return lambda x, s: self.model.velocity(x, s, enc, pooled, cfg, neg)
+
+        def one(x, s, e, p):
+            return self.model.velocity(x, s, e, p, cfg, self._negative(len(x)) if cfg != 1.0 else None)
+
+        return lambda x, s: in_chunks(one, self.micro_batch, x, s, enc, pooled)
 
     @torch.no_grad()
     def sample(self, examples: list[dict], group_size: int, generator: torch.Generator,
@@ -110,7 +116,7 @@ class FlowPolicy:
             "enc": enc, "pooled": pooled,                            # [N, L, D], [N, P]
             **{k: v[:, w] if v.dim() == 2 else v for k, v in extra.items()},
         }
-        images = self.model.decode(traj.latents[:, -1])
+        images = in_chunks(self.model.decode, self.micro_batch, traj.latents[:, -1])
         return Rollout(group_id=group_ids(len(texts), group_size)[rows], old_log_prob=traj.log_prob[:, w],
                        action_mask=torch.ones(n, a, dtype=torch.bool),
                        examples=[examples[i // group_size] for i in rows.tolist()], outputs=images, extras=extras)
@@ -143,10 +149,9 @@ class FlowPolicy:
         kinds = ["ode"] * self.cfg.num_steps
         for i in set(sde) | set(t.split_steps):
             kinds[i] = self.cfg.kind
-        cfg = self.cfg.cfg_scale
 
         def velocity(x, s, tree):  # x [M, C, H, W], s [M], tree [M]: the prompt of each alive path
-            return self.model.velocity(x, s, enc[tree], pooled[tree], cfg, self._negative(len(tree)) if cfg != 1.0 else None)
+            return self._velocity_fn(enc[tree], pooled[tree])(x, s)
 
         tr = run_tree(velocity, x, self.sigmas, kinds, t.split_steps, t.branch, self.cfg.noise_level,
                       generator=torch.Generator(self.device).manual_seed(seeds[0]), reduce=self.cfg.logprob_reduce,
@@ -159,11 +164,16 @@ class FlowPolicy:
             "tree_depth": tr.depth.expand(n, -1).clone()}            # [N, S] -> [N, A]
 
     # ------------------------------------------------------------------------------------------------ scoring
-    def log_prob(self, rollout: Rollout, index: torch.Tensor) -> PolicyOutput:
-        """Only the actions in rollout.action_mask run the transformer (all n * A of them in one forward); the
-        others (pruned tree transitions, invalid samples) keep their old values, ratio 1, and no gradient."""
+    scores_actions = True  # log_prob of a subset of a sample's actions is exact (the trainer micro-batches them)
+
+    def log_prob(self, rollout: Rollout, index: torch.Tensor, actions: torch.Tensor | None = None) -> PolicyOutput:
+        """Only the actions in rollout.action_mask (and in `actions` [n, A] when given) run the transformer, all
+        in one forward; the others (pruned tree transitions, invalid samples, other micro-batches) keep their old
+        values, ratio 1, and no gradient."""
         e = {k: v[index].to(self.device) for k, v in rollout.extras.items()}
         mask = rollout.action_mask[index].clone()
+        if actions is not None:
+            mask &= actions
         if not mask.any():
             mask[0, 0] = True  # keep a graph so backward works; the trainer's mask zeroes this action's loss
         rows, cols = mask.nonzero(as_tuple=True)                      # k trained actions
@@ -264,6 +274,15 @@ def save_diffusers_lora(transformer: torch.nn.Module, adapter: dict[str, torch.T
                                                transformer_lora_adapter_metadata=meta)
 
 
+def in_chunks(fn, size: int, *tensors: torch.Tensor) -> torch.Tensor:
+    """fn(*tensors) computed on chunks of `size` rows (dim 0) and concatenated, when no gradient is recorded
+    (peak memory is then one chunk's); with gradients, or size 0, in one call."""
+    n = len(tensors[0])
+    if not size or size >= n or torch.is_grad_enabled():
+        return fn(*tensors)
+    return torch.cat([fn(*(t[i:i + size] for t in tensors)) for i in range(0, n, size)])
+
+
 def _load_transformer_weights(transformer: torch.nn.Module, path: str) -> None:
     """Copy the weights of `path/transformer` (written by save_pretrained, possibly sharded) into `transformer`."""
     transformer.load_state_dict(type(transformer).from_pretrained(os.path.join(path, "transformer")).state_dict())
@@ -292,7 +311,7 @@ def build_flow_policy(cfg) -> FlowPolicy:
     options = {"sample_size": cfg.model.sample_size, "num_frames": cfg.model.num_frames, "guidance": cfg.model.guidance}
     model = load_flow_model(path, dtype, device, **options)
     return FlowPolicy(model, cfg.sampler, cfg.model.lora, cfg.model.reference, path, cfg.log.progress, cfg.tree,
-                      options)
+                      options, cfg.train.micro_batch)
 
 
 def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:

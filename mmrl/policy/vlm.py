@@ -50,8 +50,10 @@ def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torc
 class TokenPolicy:
     def __init__(self, model, processor, sampler_cfg, lora_cfg, video: VideoOptions | None = None,
                  freeze_vision: bool = True, reference: str = "auto", model_path: str = "",
-                 video_on_error: str = "raise", cache_size: int = 512, shared_prefix: bool = True):
+                 video_on_error: str = "raise", cache_size: int = 512, shared_prefix: bool = True,
+                 micro_batch: int = 0):
         self.shared_prefix = shared_prefix
+        self.micro_batch = micro_batch  # sequences per forward in generation and old log-probs; 0 = all
         self.model, self.processor, self.cfg, self.model_path = model, processor, sampler_cfg, model_path
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.is_vlm = self.tokenizer is not processor
@@ -191,8 +193,7 @@ class TokenPolicy:
         examples = self._usable(examples)
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
         params = SamplingParams(self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p, group_size)
-        prompts = [self.encode_prompt(ex) for ex in examples]
-        completions = self.engine.generate(self._collate(prompts), params, seed).cpu()      # [N, C]
+        completions = self._generate([self.encode_prompt(ex) for ex in examples], params, seed)  # [N, C]
         rows = [ex for ex in examples for _ in range(group_size)]
         return self._rollout(rows, completions, group_ids(len(examples), group_size))
 
@@ -208,13 +209,24 @@ class TokenPolicy:
             ro.old_log_prob = self.old_log_prob(ro, torch.arange(len(ro)))
         return ro
 
+    def _generate(self, prompts: list[dict], params: SamplingParams, seed: int) -> torch.Tensor:
+        """Completions [len(prompts) * G, C] (CPU), generated for micro_batch // G prompts at a time (all at once
+        when micro_batch is 0); chunk c samples with seed + c, and chunks are right-padded to one width."""
+        per = max(1, self.micro_batch // params.group_size) if self.micro_batch else len(prompts)
+        parts = [self.engine.generate(self._collate(prompts[i:i + per]), params, seed + i // per).cpu()
+                 for i in range(0, len(prompts), per)]
+        width = max(p.shape[1] for p in parts)
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=self.pad_id) for p in parts])
+
     def decode(self, completions: torch.Tensor) -> list[str]:
         """Completion texts without the EOS and padding, special tokens (e.g. <answer>) kept."""
         mask = completion_mask(completions, self.eos_id) & (completions != self.eos_id) & (completions != self.pad_id)
         return [self.tokenizer.decode(row[m].tolist(), skip_special_tokens=False) for row, m in zip(completions, mask)]
 
     @torch.no_grad()
-    def old_log_prob(self, rollout: Rollout, index: torch.Tensor, chunk: int = 32) -> torch.Tensor:
+    def old_log_prob(self, rollout: Rollout, index: torch.Tensor) -> torch.Tensor:
+        """Log-probs [n, C] (CPU, no grad) of rows `index`, micro_batch rows per forward (32 when unset)."""
+        chunk = self.micro_batch or 32
         out = torch.cat([self.log_prob(rollout, index[i:i + chunk]).log_prob.cpu()
                          for i in range(0, len(index), chunk)])
         if self.pad_forwards is not None:  # FSDP: as many forwards as the rank with the most chunks
@@ -224,6 +236,7 @@ class TokenPolicy:
 
     # ------------------------------------------------------------------------------------------ scoring
     def log_prob(self, rollout: Rollout, index: torch.Tensor) -> PolicyOutput:
+        """Log-probs [n, C] of the completion tokens of rows `index` (one forward: a sequence is scored whole)."""
         ids = rollout.extras["completion_ids"][index]                                       # [n, C]
         prompts = [self.encode_prompt(rollout.examples[i]) for i in index.tolist()]
         distinct = list({id(p): p for p in prompts}.values())                              # U prompts
@@ -373,9 +386,8 @@ class TokenPolicy:
         """Greedy completions (the benchmark protocol); examples whose video is unreadable score as ''."""
         usable = self._usable(examples) if self.video_on_error == "skip" else examples
         keep = {id(ex) for ex in usable}
-        prompts = [self.encode_prompt(ex) for ex in usable]
         params = SamplingParams(self.cfg.max_new_tokens, 0.0, 1.0, 1)
-        texts = iter(self.decode(self.engine.generate(self._collate(prompts), params, seed).cpu()))
+        texts = iter(self.decode(self._generate([self.encode_prompt(ex) for ex in usable], params, seed)))
         return [next(texts) if id(ex) in keep else "" for ex in examples]
 
     # ---------------------------------------------------------------------------------------- save/load
@@ -429,7 +441,8 @@ def build_token_policy(cfg) -> TokenPolicy:
     v = cfg.video
     opts = VideoOptions(v.backend, v.fps, v.nframes, v.min_pixels, v.max_pixels, v.total_pixels)
     return TokenPolicy(model, processor, cfg.sampler, cfg.model.lora, opts, cfg.model.freeze_vision,
-                       cfg.model.reference, path, v.on_error, v.cache_size, cfg.model.shared_prefix)
+                       cfg.model.reference, path, v.on_error, v.cache_size, cfg.model.shared_prefix,
+                       cfg.train.micro_batch)
 
 
 def load_token_policy(path: str, video: VideoOptions | None = None, video_on_error: str = "raise",
