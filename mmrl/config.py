@@ -37,6 +37,7 @@ class ModelConfig:
     trust_remote_code: bool = False  # transformers models: run code shipped with a checkpoint only if you trust it
     freeze_vision: bool = True    # vlm full fine-tuning: keep the vision tower frozen
     shared_prefix: bool = True    # token policies: each prompt (with its media) runs once per group in scoring
+    text_cache: int = 1024        # flow policies: prompt embeddings kept across iterations (frozen text encoders)
 
 
 @dataclass
@@ -90,7 +91,8 @@ class VideoConfig:
     max_pixels: int | None = None
     total_pixels: int | None = None
     on_error: str = "raise"       # missing / corrupt video: raise (naming the file) | skip (counted, logged)
-    cache_size: int = 512         # decoded prompts kept in memory
+    cache_size: int = 512         # decoded videos (and processed prompts) kept in memory, at most ...
+    cache_mb: float = 2048        # ... and at most this many MiB of tensors each (float32 frames are large)
 
 
 @dataclass
@@ -250,6 +252,10 @@ class Config:
             raise ValueError(f"train.minibatches={t.minibatches} must divide prompts_per_iter * group_size = {n}")
         if t.minibatches % t.grad_accum:
             raise ValueError(f"train.grad_accum={t.grad_accum} must divide train.minibatches={t.minibatches}")
+        if self.model.dtype != "float32" and not self.model.lora.enabled and t.mixed_precision == "no":
+            raise ValueError(f"model.dtype={self.model.dtype} with full fine-tuning: the trained weights are kept in "
+                             f"fp32 (master weights), so set train.mixed_precision=bf16 to compute in bf16, or enable "
+                             f"model.lora (the adapter is fp32, the frozen base stays {self.model.dtype})")
         if t.micro_batch < 0:
             raise ValueError(f"train.micro_batch must be >= 0 (0 = no split), got {t.micro_batch}")
         if t.micro_batch and self.algo.ratio == "gspo" and self.model.policy == "flow":

@@ -220,6 +220,10 @@ class Trainer:
     def _sample(self, examples: list[dict], gen: torch.Generator) -> Rollout:
         """One group per example; with several processes, this rank's share: its contiguous range of the
         B * G rows (policies that sample by row) or of the B groups (global group ids either way)."""
+        with self._autocast():  # sampling computes like the training forward (bf16 under mixed precision)
+            return self._sample_rows(examples, gen)
+
+    def _sample_rows(self, examples: list[dict], gen: torch.Generator) -> Rollout:
         g, d = self.cfg.train.group_size, self.dist
         if d.world == 1:
             return self.policy.sample(examples, g, gen)

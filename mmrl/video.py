@@ -16,10 +16,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from mmrl.cache import BoundedCache
 
 BACKENDS = ("decord", "torchcodec")
 _last_error = threading.local()
@@ -117,23 +118,9 @@ def load_video(path: str, opts: VideoOptions = VideoOptions()) -> tuple[torch.Te
     return frames, meta
 
 
-class VideoCache:
-    """LRU cache of decoded videos keyed by (path, options): a video is decoded once and reused for
-    generation and every log-prob pass (and across iterations while it stays cached)."""
-
-    def __init__(self, capacity: int = 256):
-        self.capacity, self._d = capacity, OrderedDict()
-        self.hits = self.misses = 0
+class VideoCache(BoundedCache):
+    """Decoded videos keyed by (path, options): a video is decoded once and reused for generation and every
+    log-prob pass (and across iterations while it stays cached)."""
 
     def get(self, path: str, opts: VideoOptions) -> tuple[torch.Tensor, dict]:
-        key = (os.path.abspath(path), opts)
-        if key in self._d:
-            self.hits += 1
-            self._d.move_to_end(key)
-            return self._d[key]
-        self.misses += 1
-        value = load_video(path, opts)
-        self._d[key] = value
-        if len(self._d) > self.capacity:
-            self._d.popitem(last=False)
-        return value
+        return super().get((os.path.abspath(path), opts), lambda: load_video(path, opts))

@@ -55,7 +55,8 @@ def test_log_prob_has_grad_and_changes_with_weights(tiny_pixel_model):
 
 def test_sde_window_and_lora_reference(tiny_pixel_model):
     pol = make_policy(tiny_pixel_model, **{"sampler.sde_window_size": 2, "model.lora.enabled": True,
-                                           "model.lora.rank": 4, "model.lora.alpha": 4})
+                                           "model.lora.rank": 4, "model.lora.alpha": 4,
+                                           "algo.kl_coef": 0.01})
     ro = pol.sample(EXAMPLES, 2, torch.Generator().manual_seed(3))
     assert ro.old_log_prob.shape == (4, 2)
     steps = ro.extras["step_index"][0].tolist()
@@ -85,3 +86,22 @@ def test_shared_noise_starts_a_group_from_one_noise(tiny_pixel_model, shared):
     assert not torch.equal(ro.outputs[0], ro.outputs[1])            # the SDE step makes the rows differ
     for idx in (torch.arange(6), torch.tensor([5, 0])):
         assert (pol.log_prob(ro, idx).log_prob - ro.old_log_prob[idx]).abs().max() < 1e-5
+
+
+def test_prompts_are_encoded_once_per_text_and_cached(tiny_pixel_model):
+    from mmrl.config import load_config
+    from mmrl.policy import POLICIES
+
+    pol = POLICIES["flow"](load_config(None, [f"model.path={tiny_pixel_model}", "sampler.num_steps=3",
+                                              "sampler.cfg_scale=1.0"]))
+    calls = []
+    encode = pol.model.encode_prompts
+    pol.model.encode_prompts = lambda texts: (calls.append(list(texts)), encode(texts))[1]
+    exs = [{"prompt": "a red circle"}, {"prompt": "two squares"}]
+    ro = pol.sample(exs, 3, torch.Generator().manual_seed(0))
+    assert calls == [["a red circle", "two squares"]]  # not once per group member
+    pol.sample(exs, 3, torch.Generator().manual_seed(1))
+    assert len(calls) == 1  # the next iteration reads the cache
+    enc, pooled = encode(["two squares"])
+    torch.testing.assert_close(ro.extras["enc"][3:], enc.expand(3, -1, -1))
+    torch.testing.assert_close(ro.extras["pooled"][3:], pooled.expand(3, -1))

@@ -95,3 +95,22 @@ def test_world_is_read_as_built_and_never_overwritten_with_other_counts(tmp_path
         GroundingWorldTask(TaskConfig(eval_prompts=10), root=root, train_videos=600)
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "world" / "videos").iterdir()} == mtimes
     assert not [p for p in (tmp_path / "world").rglob("*.tmp*")]
+
+
+def test_bounded_cache_evicts_by_bytes_and_count():
+    import torch
+
+    from mmrl.cache import BoundedCache
+
+    c = BoundedCache(capacity=10, max_bytes=3 * 400)
+    for i in range(5):
+        c.get(i, lambda: torch.zeros(100))  # 400 bytes each
+    assert len(c) == 3 and c.bytes == 1200 and c.misses == 5
+    c.get(4, lambda: 1 / 0)  # cached: not rebuilt
+    assert c.hits == 1
+    c.get("big", lambda: torch.zeros(1000))  # larger than the budget alone: kept, everything older evicted
+    assert len(c) == 1 and c.bytes == 4000
+    small = BoundedCache(capacity=2, max_bytes=1e9)
+    for i in range(3):
+        small.get(i, lambda: (torch.zeros(1), {"fps": 2}))
+    assert len(small) == 2

@@ -109,3 +109,26 @@ def test_export_writes_a_pipeline_diffusers_loads(sd3_dir, tmp_path, lora):
                                    pol.model.velocity(x, torch.tensor([0.5]), enc, pooled), atol=1e-5, rtol=1e-5)
     with pytest.raises(FileExistsError, match="not empty"):
         main(["export", str(tmp_path / "policy"), str(tmp_path / "merged")])
+
+
+def test_bf16_base_trains_fp32_weights(sd3_dir, tmp_path):
+    """bf16 pipelines: the LoRA adapter is upcast to fp32 (the frozen base stays bf16), full fine-tuning keeps
+    an fp32 transformer and needs mixed precision to compute in bf16; no frozen copy without a KL term."""
+    cfg = load_config(None, [f"model.path={sd3_dir}", "model.dtype=bfloat16", "model.lora.enabled=true",
+                             "model.lora.rank=4", "sampler.num_steps=3", "sampler.cfg_scale=1.0"])
+    pol = POLICIES["flow"](cfg)
+    assert {p.dtype for p in pol.trainable_parameters()} == {torch.float32}
+    assert {p.dtype for p in pol.transformer.parameters() if not p.requires_grad} == {torch.bfloat16}
+    ro = pol.sample([{"prompt": "a cat"}], 2, torch.Generator().manual_seed(0))
+    lp = pol.log_prob(ro, torch.arange(2)).log_prob
+    lp.sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in pol.trainable_parameters())
+    assert torch.isfinite(lp).all()
+    with pytest.raises(ValueError, match="train.mixed_precision=bf16"):
+        load_config(None, [f"model.path={sd3_dir}", "model.dtype=bfloat16"])
+    full = POLICIES["flow"](load_config(None, [f"model.path={sd3_dir}", "model.dtype=bfloat16",
+                                               "train.mixed_precision=bf16"]))
+    assert {p.dtype for p in full.trainable_parameters()} == {torch.float32}
+    assert full._ref_copy is None  # algo.kl_coef = 0: no reference copy
+    with_kl = POLICIES["flow"](load_config(None, [f"model.path={sd3_dir}", "algo.kl_coef=0.01"]))
+    assert with_kl._ref_copy is not None

@@ -38,6 +38,19 @@ class Policy(Protocol):
 ADAPTER_FILE = "adapter_model.safetensors"
 
 
+def reference_kind(cfg) -> str:
+    """The KL reference a run needs: model.reference when algo.kl_coef > 0, else none (no frozen copy is kept)."""
+    return cfg.model.reference if cfg.algo.kl_coef > 0 else "none"
+
+
+def upcast_trainable(module: torch.nn.Module) -> None:
+    """fp32 master weights: trained parameters stored in bf16 / fp16 are cast to fp32 (the optimizer then updates
+    fp32 weights, as Flow-GRPO's cast_training_params does for LoRA); frozen weights keep their dtype."""
+    for p in module.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+
+
 def write_policy_meta(path: str, policy: str, base_model: str, lora: bool, **model_options) -> None:
     """mmrl_policy.json: which policy wrote the checkpoint folder, its base model, whether it is an adapter,
     and the options the base model was loaded with (e.g. a generator's sample_size)."""

@@ -16,8 +16,9 @@ import os
 
 import torch
 
+from mmrl.cache import BoundedCache
 from mmrl.data import PolicyOutput, Rollout, group_ids
-from mmrl.policy.base import load_lora_adapter, save_lora_adapter, write_policy_meta
+from mmrl.policy.base import load_lora_adapter, reference_kind, save_lora_adapter, upcast_trainable, write_policy_meta
 from mmrl.policy.flow_model import FlowModel, load_flow_model, sigma_schedule
 from mmrl.rollout.tree import run_tree, trained_steps
 from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std
@@ -27,7 +28,8 @@ WEIGHTS_FILE = "trainable.safetensors"
 
 class FlowPolicy:
     def __init__(self, model: FlowModel, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = "",
-                 progress: bool = False, tree_cfg=None, model_options: dict | None = None, micro_batch: int = 0):
+                 progress: bool = False, tree_cfg=None, model_options: dict | None = None, micro_batch: int = 0,
+                 text_cache: int = 1024):
         from mmrl.config import TreeConfig
 
         self.model, self.cfg, self.model_path, self.progress = model, sampler_cfg, model_path, progress
@@ -45,6 +47,7 @@ class FlowPolicy:
             self.transformer.add_adapter(self.lora_config)
         else:
             self.transformer.requires_grad_(True)
+        upcast_trainable(self.transformer)
         self.transformer.train()
         self._ref_copy = None
         if reference == "auto" and not self.lora:
@@ -59,6 +62,7 @@ class FlowPolicy:
         self.schedule_std_mean = float(stds.mean())
         self._neg = None
         self.micro_batch = micro_batch  # rows per forward without gradients (sampling, decoding); 0 = all
+        self.text_cache = BoundedCache(text_cache, 2**30)  # prompt -> (enc [L, D], pooled [P])
 
     # ----------------------------------------------------------------------------------------------- sampling
     def _window(self, generator: torch.Generator) -> list[int]:
@@ -69,6 +73,20 @@ class FlowPolicy:
         hi = last - size + 1 if hi < 0 else min(hi, last - size + 1)
         start = lo + int(torch.randint(0, max(hi - lo, 1), (1,), generator=generator)) if hi > lo else lo
         return list(range(start, start + size))
+
+    @torch.no_grad()
+    def encode(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(enc [n, L, D], pooled [n, P]) of texts: each distinct text runs the text encoders once (a group shares
+        its prompt's embedding) and stays cached across iterations (the encoders are frozen)."""
+        new = [t for t in dict.fromkeys(texts) if t not in self.text_cache]
+        if new:
+            enc, pooled = self.model.encode_prompts(new)
+            for i, t in enumerate(new):
+                self.text_cache.get(t, lambda: (enc[i], pooled[i]))
+        rows = [self.text_cache.get(t, None) for t in texts]
+        if any(r is None for r in rows):  # the batch's own texts overflowed the cache: encode them directly
+            return self.model.encode_prompts(texts)
+        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
     def _negative(self, n: int):
         if self._neg is None:
@@ -129,7 +147,7 @@ class FlowPolicy:
         init = [seeds[i - i % group_size] for i in range(len(seeds))] if self.cfg.shared_noise else seeds
         # shared_noise: one initial noise per group (rows b*G .. b*G+G-1 start from seed b*G)
         window = self._window(generator)
-        enc, pooled = self.model.encode_prompts([texts[i // group_size] for i in rows])  # [n, L, D], [n, P]
+        enc, pooled = self.encode([texts[i // group_size] for i in rows])                # [n, L, D], [n, P]
         x = self.model.initial_noise([init[i] for i in rows], self.device)              # [n, C, H, W]
         step_noise = [torch.Generator(self.device).manual_seed((seeds[i] * 1_000_003 + 12_345) % 2**63) for i in rows]
         kinds = ["ode"] * self.cfg.num_steps
@@ -141,7 +159,7 @@ class FlowPolicy:
 
     def _sample_tree(self, texts, generator):
         t = self.tree
-        enc, pooled = self.model.encode_prompts(texts)              # [B, L, D], [B, P]
+        enc, pooled = self.encode(texts)                            # [B, L, D], [B, P]
         seeds = self._seeds(len(texts), generator)
         x = self.model.initial_noise(seeds, self.device)             # [B, C, H, W] one root noise per tree
         last = self.cfg.num_steps - 1
@@ -310,8 +328,8 @@ def build_flow_policy(cfg) -> FlowPolicy:
                          f"base model folder")
     options = {"sample_size": cfg.model.sample_size, "num_frames": cfg.model.num_frames, "guidance": cfg.model.guidance}
     model = load_flow_model(path, dtype, device, **options)
-    return FlowPolicy(model, cfg.sampler, cfg.model.lora, cfg.model.reference, path, cfg.log.progress, cfg.tree,
-                      options, cfg.train.micro_batch)
+    return FlowPolicy(model, cfg.sampler, cfg.model.lora, reference_kind(cfg), path, cfg.log.progress, cfg.tree,
+                      options, cfg.train.micro_batch, cfg.model.text_cache)
 
 
 def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:

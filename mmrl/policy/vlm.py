@@ -21,12 +21,12 @@ import contextlib
 import json
 import logging
 import os
-from collections import OrderedDict
 
 import torch
 from mmrl.data import PolicyOutput, Rollout, group_ids
-from mmrl.policy.base import load_lora_adapter, save_lora_adapter, write_policy_meta
+from mmrl.policy.base import load_lora_adapter, reference_kind, save_lora_adapter, upcast_trainable, write_policy_meta
 from mmrl.rollout.engine import HFEngine, PrefixCacheEngine, SamplingParams, completion_mask, pad_after_eos
+from mmrl.cache import BoundedCache
 from mmrl.video import VideoCache, VideoError, VideoOptions
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class TokenPolicy:
     def __init__(self, model, processor, sampler_cfg, lora_cfg, video: VideoOptions | None = None,
                  freeze_vision: bool = True, reference: str = "auto", model_path: str = "",
                  video_on_error: str = "raise", cache_size: int = 512, shared_prefix: bool = True,
-                 micro_batch: int = 0):
+                 micro_batch: int = 0, cache_mb: float = 2048):
         self.shared_prefix = shared_prefix
         self.micro_batch = micro_batch  # sequences per forward in generation and old log-probs; 0 = all
         self.model, self.processor, self.cfg, self.model_path = model, processor, sampler_cfg, model_path
@@ -59,9 +59,9 @@ class TokenPolicy:
         self.is_vlm = self.tokenizer is not processor
         self.video_opts = video or VideoOptions()
         self.video_on_error = video_on_error
-        self.videos = VideoCache(cache_size)
-        self._prompts: OrderedDict = OrderedDict()
-        self.cache_size = cache_size
+        # decoded videos and processed prompts (their patches): bounded by count and by bytes each
+        self.videos = VideoCache(cache_size, cache_mb * 2**20)
+        self._prompts = BoundedCache(cache_size, cache_mb * 2**20)
         self.skipped_examples = 0
         # True: rollouts carry NaN old log-probs and the trainer takes them from its first forward (exact
         # when that forward runs before any optimizer step); saves one forward pass per rollout.
@@ -82,6 +82,7 @@ class TokenPolicy:
             for name, p in self.model.named_parameters():
                 if "visual" in name or "vision" in name:
                     p.requires_grad_(False)
+        upcast_trainable(self.model)
         self.has_reference = reference == "auto"
         if self.has_reference and not self.lora:
             import copy
@@ -125,9 +126,9 @@ class TokenPolicy:
         pixel_values_videos [patches, D], video_grid_thw [1, 3]); cached by (prompt, media)."""
         key = (json.dumps(ex.get("messages"), sort_keys=True, default=str), ex.get("prompt"), ex.get("video"),
                str(ex.get("image")), bool(ex.get("text_first")))
-        if key in self._prompts:
-            self._prompts.move_to_end(key)
-            return self._prompts[key]
+        return self._prompts.get(key, lambda: self._process(ex))
+
+    def _process(self, ex: dict) -> dict[str, torch.Tensor]:
         # processor is the tokenizer itself for causal LMs
         text = self.processor.apply_chat_template(self._messages(ex), tokenize=False, add_generation_prompt=True)
         if not self.is_vlm:
@@ -143,9 +144,6 @@ class TokenPolicy:
             enc = dict(self.processor(text=[text], images=[img], return_tensors="pt"))
         else:
             enc = dict(self.processor(text=[text], return_tensors="pt"))
-        self._prompts[key] = enc
-        if len(self._prompts) > self.cache_size:
-            self._prompts.popitem(last=False)
         return enc
 
     def _collate(self, prompts: list[dict], completions: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -441,8 +439,8 @@ def build_token_policy(cfg) -> TokenPolicy:
     v = cfg.video
     opts = VideoOptions(v.backend, v.fps, v.nframes, v.min_pixels, v.max_pixels, v.total_pixels)
     return TokenPolicy(model, processor, cfg.sampler, cfg.model.lora, opts, cfg.model.freeze_vision,
-                       cfg.model.reference, path, v.on_error, v.cache_size, cfg.model.shared_prefix,
-                       cfg.train.micro_batch)
+                       reference_kind(cfg), path, v.on_error, v.cache_size, cfg.model.shared_prefix,
+                       cfg.train.micro_batch, v.cache_mb)
 
 
 def load_token_policy(path: str, video: VideoOptions | None = None, video_on_error: str = "raise",
