@@ -49,6 +49,7 @@ def test_the_fake_accelerator_catches_a_mix():
     [],
     ["model.lora.enabled=true", "model.lora.rank=4", "algo.kl_coef=0.1"],
     ["algo.kl_coef=0.1", "algo.kl=k3", "train.gradient_checkpointing=true", "train.ema_decay=0.5"],
+    ["algo.kl_coef=0.1", "model.offload=true", "train.micro_batch=4"],
     ["algo.ratio=guard", "algo.weighting=tempflow+guard_dt", "sampler.sde_window_size=1", "sampler.shared_noise=true"],
     ["tree.split_steps=[0,1]", "tree.branch=2", "train.group_size=4", "algo.loss_agg=token_mean",
      "tree.width_prune=1", "tree.fusion=softmax"],
@@ -69,3 +70,16 @@ def test_token_step_on_an_accelerator(tiny_vl, tiny_world, tmp_path, items):
         f"model.path={tiny_vl}", f"task.kwargs.root={tiny_world}", "task.kwargs.train_videos=6",
         "task.kwargs.test_videos=3", f"log.out_dir={tmp_path}", "log.tensorboard=false", "log.eval_at_start=false",
         *items])
+
+
+def test_offloaded_parts_wait_on_cpu(tiny_pixel_model, tmp_path):
+    """model.offload: the text encoder and the reference copy run on the accelerator and rest on the CPU."""
+    cfg = load_config("configs/tiny/flow_smoke.yaml", [
+        f"model.path={tiny_pixel_model}", f"log.out_dir={tmp_path}", "log.tensorboard=false",
+        "log.eval_at_start=false", "model.device=meta", "model.offload=true", "algo.kl_coef=0.1"])
+    with fake_accelerator() as dev:
+        tr = Trainer(cfg)
+        tr.step(0)
+        parked = [*tr.policy.model.text_modules, tr.policy._ref_copy]
+        assert all(p.device.type == "cpu" for m in parked for p in m.parameters())
+        assert all(p.device == dev for p in tr.policy.transformer.parameters())

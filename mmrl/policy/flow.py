@@ -29,7 +29,7 @@ WEIGHTS_FILE = "trainable.safetensors"
 class FlowPolicy:
     def __init__(self, model: FlowModel, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = "",
                  progress: bool = False, tree_cfg=None, model_options: dict | None = None, micro_batch: int = 0,
-                 text_cache: int = 1024):
+                 text_cache: int = 1024, offload: bool = False):
         from mmrl.config import TreeConfig
 
         self.model, self.cfg, self.model_path, self.progress = model, sampler_cfg, model_path, progress
@@ -63,6 +63,11 @@ class FlowPolicy:
         self._neg = None
         self.micro_batch = micro_batch  # rows per forward without gradients (sampling, decoding); 0 = all
         self.text_cache = BoundedCache(text_cache, 2**30)  # prompt -> (enc [L, D], pooled [P])
+        self.offload = offload  # frozen parts (text encoders, VAE, reference copy) wait on CPU between uses
+        if offload:
+            for m in (*model.text_modules, self._ref_copy):
+                if m is not None:
+                    m.to("cpu")
 
     # ----------------------------------------------------------------------------------------------- sampling
     def _window(self, generator: torch.Generator) -> list[int]:
@@ -74,24 +79,41 @@ class FlowPolicy:
         start = lo + int(torch.randint(0, max(hi - lo, 1), (1,), generator=generator)) if hi > lo else lo
         return list(range(start, start + size))
 
+    @contextlib.contextmanager
+    def _onload(self, modules):
+        """With model.offload: `modules` on the policy's device for the block, back on CPU after it."""
+        if not self.offload:
+            yield
+            return
+        for m in modules:
+            m.to(self.device)
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.to("cpu")
+
     @torch.no_grad()
     def encode(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(enc [n, L, D], pooled [n, P]) of texts: each distinct text runs the text encoders once (a group shares
         its prompt's embedding) and stays cached across iterations (the encoders are frozen)."""
         new = [t for t in dict.fromkeys(texts) if t not in self.text_cache]
         if new:
-            enc, pooled = self.model.encode_prompts(new)
+            with self._onload(self.model.text_modules):
+                enc, pooled = self.model.encode_prompts(new)
             for i, t in enumerate(new):
                 self.text_cache.get(t, lambda: (enc[i], pooled[i]))
         rows = [self.text_cache.get(t, None) for t in texts]
         if any(r is None for r in rows):  # the batch's own texts overflowed the cache: encode them directly
-            return self.model.encode_prompts(texts)
+            with self._onload(self.model.text_modules):
+                return self.model.encode_prompts(texts)
         return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
     def _negative(self, n: int):
         if self._neg is None:
             with torch.no_grad():
-                self._neg = self.model.negative(1)
+                with self._onload(self.model.text_modules):
+                    self._neg = self.model.negative(1)
         return self._neg[0].expand(n, -1, -1), self._neg[1].expand(n, -1)
 
     def _velocity_fn(self, enc, pooled):
@@ -134,7 +156,8 @@ class FlowPolicy:
             "enc": enc, "pooled": pooled,                            # [N, L, D], [N, P]
             **{k: v[:, w] if v.dim() == 2 else v for k, v in extra.items()},
         }
-        images = in_chunks(self.model.decode, self.micro_batch, traj.latents[:, -1])
+        with self._onload(self.model.text_modules):
+            images = in_chunks(self.model.decode, self.micro_batch, traj.latents[:, -1])
         return Rollout(group_id=group_ids(len(texts), group_size)[rows], old_log_prob=traj.log_prob[:, w],
                        action_mask=torch.ones(n, a, dtype=torch.bool),
                        examples=[examples[i // group_size] for i in rows.tolist()], outputs=images, extras=extras)
@@ -225,7 +248,8 @@ class FlowPolicy:
             live = self.model.transformer
             self.model.transformer = self._ref_copy
             try:
-                yield
+                with self._onload([self._ref_copy]):
+                    yield
             finally:
                 self.model.transformer = live
 
@@ -329,7 +353,7 @@ def build_flow_policy(cfg) -> FlowPolicy:
     options = {"sample_size": cfg.model.sample_size, "num_frames": cfg.model.num_frames, "guidance": cfg.model.guidance}
     model = load_flow_model(path, dtype, device, **options)
     return FlowPolicy(model, cfg.sampler, cfg.model.lora, reference_kind(cfg), path, cfg.log.progress, cfg.tree,
-                      options, cfg.train.micro_batch, cfg.model.text_cache)
+                      options, cfg.train.micro_batch, cfg.model.text_cache, cfg.model.offload)
 
 
 def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:
