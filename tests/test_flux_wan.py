@@ -99,3 +99,18 @@ def test_video_strips():
     s = video_strips(v, max_frames=4)
     assert s.shape == (2, 3, 2, 8)
     assert torch.equal(s[:, :, :, 2:4], v[:, :, 4]) and torch.equal(s[:, :, :, 6:8], v[:, :, 11])  # frames 0, 4, 7, 11
+
+
+def test_flux_dynamic_shift_by_hand(pipelines):
+    """FLUX's schedule at 16 packed tokens (8x8 latents): mu = 0.5 + (16 - 256) * 0.65 / 3840 = 0.459375, and
+    sigma' = e^mu / (e^mu + 1 / sigma - 1) over sigma = 1, 3/4, 1/2, 1/4, then 0 (as FluxPipeline sets them)."""
+    import math
+
+    pol = policy(pipelines["flux"], "model.sample_size=8")
+    mu = 0.5 + (16 - 256) * (1.15 - 0.5) / (4096 - 256)
+    assert pol.model.schedule_mu == pytest.approx(mu)
+    want = [math.exp(mu) / (math.exp(mu) + 1 / s - 1) for s in (1.0, 0.75, 0.5, 0.25)] + [0.0]
+    # e^mu = 1.5830: 0.75 -> 1.5830 / (1.5830 + 1/3) = 0.8261, 0.5 -> 0.6129, 0.25 -> 0.3454
+    assert [round(w, 4) for w in want] == [1.0, 0.8261, 0.6129, 0.3454, 0.0]
+    torch.testing.assert_close(pol.sigmas, torch.tensor(want), atol=1e-6, rtol=0)
+    assert policy(pipelines["wan"]).model.schedule_mu is None  # static shift elsewhere

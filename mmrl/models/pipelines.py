@@ -8,7 +8,8 @@ Samplers and policies always see unpacked latents x [N, *latent_shape] and a vel
   (FLUX.1-dev; `model.guidance`, 3.5 by default) replaces classifier-free guidance; image and text RoPE ids.
 - Wan2.x (`WanTransformer3DModel`): video latents x [N, 16, F', H, W] (F' = (frames - 1) / 4 + 1);
   timestep = 1000 sigma; UMT5 tokens, no pooled embedding (an empty [N, 0] tensor stands in).
-Scheduler shifts come from sampler.shift (static; FLUX's resolution-dependent shift is not applied).
+Scheduler shifts come from sampler.shift (static), except FLUX's resolution-dependent shift, taken from the
+pipeline's scheduler config (use_dynamic_shifting) as FluxPipeline applies it.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def load_pipeline_model(cls: str, path: str, dtype: torch.dtype, device: str, sa
     """A FlowModel of the diffusers pipeline folder `path` whose model_index.json names `cls`."""
     import diffusers
 
-    from mmrl.policy.flow_model import FlowModel
+    from mmrl.policy.flow_model import FlowModel, dynamic_shift_mu
 
     pipe = getattr(diffusers, cls).from_pretrained(path, dtype=dtype).to(device)
     vae, tr = pipe.vae, pipe.transformer
@@ -99,6 +100,7 @@ def load_pipeline_model(cls: str, path: str, dtype: torch.dtype, device: str, sa
         channels, call = tr.config.in_channels // 4, flux_call(guidance)
         size = sample_size or pipe.default_sample_size
         texts = (pipe.text_encoder, pipe.text_encoder_2)
+        mu = dynamic_shift_mu((size // 2) ** 2, dict(pipe.scheduler.config))  # packed 2x2: (H/2)(W/2) tokens
     else:
         @torch.no_grad()
         def encode(texts):
@@ -115,4 +117,4 @@ def load_pipeline_model(cls: str, path: str, dtype: torch.dtype, device: str, sa
         return vae.decode(latents, return_dict=False)[0].float().clamp(-1, 1)
 
     return FlowModel(tr, encode, decode, (channels, size, size), texts + (vae,), pipeline_class=cls, call=call,
-                     lora_targets=SD3_LORA_TARGETS)
+                     lora_targets=SD3_LORA_TARGETS, schedule_mu=mu if cls == "FluxPipeline" else None)

@@ -60,7 +60,9 @@ def build_tiny_flux_pipeline(seed: int = 0, guidance_embeds: bool = True) -> Flu
                                            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                                            pooled_projection_dim=32, guidance_embeds=guidance_embeds,
                                            axes_dims_rope=(4, 4, 8)),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_vae(),
+        scheduler=FlowMatchEulerDiscreteScheduler(  # FLUX.1's scheduler config: resolution-dependent shift
+            shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+            max_image_seq_len=4096), vae=_vae(),
         text_encoder=CLIPTextModel(CLIPTextConfig(**CLIP)), tokenizer=_tokenizer(),
         text_encoder_2=T5EncoderModel(T5Config(vocab_size=300, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)),
         tokenizer_2=_tokenizer(32))

@@ -53,7 +53,7 @@ class FlowPolicy:
         if reference == "auto" and not self.lora:
             self._ref_copy = copy.deepcopy(self.transformer).requires_grad_(False).eval()
         self.has_reference = reference == "auto"
-        self.sigmas = sigma_schedule(sampler_cfg.num_steps, sampler_cfg.shift)  # [S + 1]
+        self.sigmas = sigma_schedule(sampler_cfg.num_steps, sampler_cfg.shift, model.schedule_mu)  # [S + 1]
         # mean SDE std over the trainable steps 0 .. S-2 of the schedule (TempFlow-GRPO's weight normalizer)
         sig = self.sigmas[:-2]
         zeros = torch.zeros(len(sig), 1)

@@ -42,6 +42,7 @@ class FlowModel:
     prediction: str = "velocity"                 # what the transformer outputs: "velocity" | "sample"
     call: Callable = sd3_call                    # (transformer, x, sigma, enc, pooled) -> output like x
     lora_targets: tuple[str, ...] = SD3_LORA_TARGETS
+    schedule_mu: float | None = None             # FLUX dynamic shift (replaces sampler.shift); None = static shift
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, enc: torch.Tensor, pooled: torch.Tensor,
                  cfg_scale: float = 1.0, neg: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -75,7 +76,7 @@ class FlowModel:
         device = next(self.transformer.parameters()).device
         enc, pooled = self.encode_prompts(texts)
         neg = self.negative(len(texts)) if cfg_scale != 1.0 else None
-        sigmas = sigma_schedule(num_steps, shift)
+        sigmas = sigma_schedule(num_steps, shift, self.schedule_mu)
         traj = run_chain(lambda x, s: self.velocity(x, s, enc, pooled, cfg_scale, neg),
                          self.initial_noise(seeds, device), sigmas, ["ode"] * num_steps, 0.0, record=False)
         return self.decode(traj.latents[:, -1])
@@ -99,13 +100,31 @@ def velocity_from_prediction(out: torch.Tensor, x: torch.Tensor, sigma: torch.Te
     raise ValueError(f"unknown prediction {prediction!r}; valid: {PREDICTIONS}")
 
 
-def sigma_schedule(num_steps: int, shift: float = 1.0) -> torch.Tensor:
-    """[num_steps + 1] sigmas from 1 to 0 as diffusers' FlowMatchEulerDiscreteScheduler sets them."""
+def sigma_schedule(num_steps: int, shift: float = 1.0, mu: float | None = None) -> torch.Tensor:
+    """[num_steps + 1] sigmas from 1 to 0 as diffusers' FlowMatchEulerDiscreteScheduler sets them: a static shift
+    s (SD3: sigma' = s sigma / (1 + (s - 1) sigma)), or, when mu is given, FLUX's resolution-dependent shift
+    sigma' = e^mu / (e^mu + 1 / sigma - 1) of sigma = linspace(1, 1 / S, S), as FluxPipeline calls it."""
+    import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    sch = FlowMatchEulerDiscreteScheduler(shift=shift)
-    sch.set_timesteps(num_steps)
+    if mu is None:
+        sch = FlowMatchEulerDiscreteScheduler(shift=shift)
+        sch.set_timesteps(num_steps)
+    else:
+        sch = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)
+        sch.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
     return sch.sigmas.float().clone()
+
+
+def dynamic_shift_mu(image_seq_len: int, scheduler_config: dict) -> float | None:
+    """FLUX's mu: linear in the packed image sequence length between (base_image_seq_len, base_shift) and
+    (max_image_seq_len, max_shift); None when the scheduler does not shift dynamically."""
+    c = scheduler_config
+    if not c.get("use_dynamic_shifting"):
+        return None
+    lo, hi = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
+    b0, b1 = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
+    return b0 + (image_seq_len - lo) * (b1 - b0) / (hi - lo)
 
 
 def _pixel_model(path: str, dtype: torch.dtype) -> FlowModel:
