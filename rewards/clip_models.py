@@ -2,7 +2,7 @@
 
 | reward      | backbone                                | weights (local files; no hub here)                     | score range   |
 |-------------|-----------------------------------------|--------------------------------------------------------|---------------|
-| clip_score  | open_clip `arch` (e.g. ViT-L-14)        | `pretrained`: an open_clip checkpoint file              | 2.5*max(cos,0) in [0, 2.5] (Hessel et al. 2021) |
+| clip_score  | open_clip `arch` (e.g. ViT-L-14)        | `pretrained`: an open_clip or OpenAI CLIP checkpoint    | 2.5*max(cos,0) in [0, 2.5] (Hessel et al. 2021) |
 | pickscore   | transformers CLIPModel                  | `path`: a PickScore_v1 folder (model + processor)       | 100*cos-ish, about 18..24 |
 | hpsv2       | open_clip ViT-H-14                      | `checkpoint`: HPS_v2(.1)_compressed.pt ("state_dict")   | cos, about 0.2..0.35 |
 | aesthetic   | open_clip ViT-L-14 image tower + MLP    | `clip_pretrained` + `mlp`: the LAION predictor (.pth)   | about 1..10 |
@@ -12,7 +12,9 @@
 Every reward loads its model on the first call, once; takes images [N, 3, H, W] in [-1, 1] (the generators'
 output range), preprocesses them in torch on the model's device (bicubic resize of the short side to the
 model's size, center crop, the model's mean / std: what the models' own PIL pipelines do, without the PIL round
-trip), and scores in batches of `batch_size`. Checkpoints load with `weights_only=True` (or safetensors).
+trip), and scores in batches of `batch_size`. Checkpoints load with `weights_only=True` (or safetensors; OpenAI's
+TorchScript archives, which weights_only cannot read, through torch.jit.load, keeping only their tensors). A reward
+without its weights refuses to run unless `random_weights: true` is passed (tests, smoke runs).
 """
 
 from __future__ import annotations
@@ -46,29 +48,71 @@ def _prompts(examples) -> list[str]:
     return [e if isinstance(e, str) else e["prompt"] for e in examples]
 
 
+OPENAI_META_KEYS = ("input_resolution", "context_length", "vocab_size")  # ints in OpenAI's CLIP state dicts
+
+
 def load_state(path: str) -> dict:
-    """A state dict from .safetensors or a torch file (weights_only); a {"state_dict": ...} wrapper is opened."""
+    """A state dict from .safetensors, a torch file (weights_only) or OpenAI's TorchScript CLIP archive (which
+    weights_only cannot read: torch.jit.load opens it and only its state dict is kept, the model is never run);
+    a {"state_dict": ...} wrapper is opened."""
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
 
         return load_file(path)
-    sd = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except RuntimeError as e:
+        if "TorchScript" not in str(e):
+            raise
+        sd = torch.jit.load(path, map_location="cpu").state_dict()  # OpenAI's released ViT-*.pt archives
     return sd.get("state_dict", sd) if isinstance(sd, dict) else sd
 
 
-class _OpenClipReward:
-    """Shared by the open_clip rewards: lazy model, preprocessing, batched normalized embeddings."""
+def is_openai_format(path: str, state: dict) -> bool:
+    """OpenAI's CLIP checkpoints (TorchScript archives, or state dicts that carry the config as integer entries);
+    their models use QuickGELU."""
+    import zipfile
 
-    def __init__(self, arch: str, pretrained: str | None = None, batch_size: int = 32, device: str = "cpu"):
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            if any(n.split("/", 1)[-1].startswith("code/") for n in z.namelist()):
+                return True
+    return all(k in state for k in OPENAI_META_KEYS)
+
+
+def require_weights(name: str, given: dict, random_weights: bool) -> None:
+    """A reward model without its checkpoint scores with random weights: refuse unless asked for explicitly."""
+    missing = [k for k, v in given.items() if not v]
+    if missing and not random_weights:
+        raise ValueError(f"{name}: no weights given ({', '.join(missing)}): a random-init reward model scores noise. "
+                         f"Pass the checkpoint path(s) in reward.kwargs, or random_weights: true for a smoke test")
+
+
+class _OpenClipReward:
+    """Shared by the open_clip rewards: lazy model, preprocessing, batched normalized embeddings.
+    quick_gelu: the activation of OpenAI's CLIP models (and the -quickgelu open_clip configs); None = on for an
+    OpenAI-format checkpoint (TorchScript archive or state dict with its config entries), off otherwise."""
+
+    def __init__(self, arch: str, pretrained: str | None = None, batch_size: int = 32, device: str = "cpu",
+                 quick_gelu: bool | None = None, random_weights: bool = False, name: str = "clip reward"):
+        require_weights(name, {"pretrained": pretrained}, random_weights)
         self.arch, self.pretrained, self.batch_size, self.device = arch, pretrained, batch_size, device
+        self.quick_gelu = quick_gelu
         self.model = None
 
     def _build(self):
         import open_clip
 
-        model = open_clip.create_model(self.arch, pretrained=None)
-        if self.pretrained:
-            model.load_state_dict(load_state(self.pretrained))
+        state = load_state(self.pretrained) if self.pretrained else None
+        openai = state is not None and is_openai_format(self.pretrained, state)
+        quick = self.quick_gelu if self.quick_gelu is not None else openai
+        model = open_clip.create_model(self.arch, pretrained=None, force_quick_gelu=quick)
+        if state is not None:
+            # a TorchScript archive also holds non-persistent buffers (attn_mask): extra keys are fine, missing are not
+            missing, _ = model.load_state_dict({k: v for k, v in state.items() if k not in OPENAI_META_KEYS},
+                                               strict=False)
+            if missing:
+                raise ValueError(f"{self.pretrained}: not a {self.arch} checkpoint, missing {missing[:4]} ...")
         return model
 
     def _load(self):
@@ -106,7 +150,7 @@ class CLIPScore(_OpenClipReward):
     any open_clip model name and a local checkpoint file of it."""
 
     def __init__(self, arch: str = "ViT-L-14", pretrained: str | None = None, weight: float = 2.5, **kw):
-        super().__init__(arch, pretrained, **kw)
+        super().__init__(arch, pretrained, name="clip_score", **kw)
         self.weight = weight
 
     def __call__(self, images, examples) -> dict[str, torch.Tensor]:
@@ -119,7 +163,7 @@ class HPSv2(_OpenClipReward):
     the image and caption embeddings. checkpoint: HPS_v2_compressed.pt or HPS_v2.1_compressed.pt."""
 
     def __init__(self, checkpoint: str | None = None, arch: str = "ViT-H-14", **kw):
-        super().__init__(arch, checkpoint, **kw)
+        super().__init__(arch, checkpoint, name="hpsv2", **kw)
 
     def __call__(self, images, examples) -> dict[str, torch.Tensor]:
         return {"overall": self.cosine(images, examples)}
@@ -144,7 +188,8 @@ class Aesthetic(_OpenClipReward):
     clip_pretrained: the OpenAI ViT-L-14 open_clip checkpoint; mlp: sac+logos+ava1-l14-linearMSE.pth."""
 
     def __init__(self, mlp: str | None = None, clip_pretrained: str | None = None, arch: str = "ViT-L-14", **kw):
-        super().__init__(arch, clip_pretrained, **kw)
+        require_weights("aesthetic", {"mlp": mlp}, kw.get("random_weights", False))
+        super().__init__(arch, clip_pretrained, name="aesthetic", **kw)
         self.mlp_path, self.head = mlp, None
 
     def __call__(self, images, examples) -> dict[str, torch.Tensor]:

@@ -40,14 +40,15 @@ class FrameReward:
 
 class TemporalConsistency:
     def __init__(self, embed: str = "pixels", arch: str = "ViT-B-32", pretrained: str | None = None,
-                 batch_size: int = 64, device: str = "cpu"):
+                 batch_size: int = 64, device: str = "cpu", random_weights: bool = False):
         if embed not in ("pixels", "clip"):
             raise ValueError(f"TemporalConsistency embed={embed!r}; valid: pixels, clip")
         self.embed = embed
         if embed == "clip":
             from rewards.clip_models import _OpenClipReward
 
-            self.clip = _OpenClipReward(arch, pretrained, batch_size, device)
+            self.clip = _OpenClipReward(arch, pretrained, batch_size, device, random_weights=random_weights,
+                                        name="temporal_consistency")
 
     def embeddings(self, videos: torch.Tensor) -> torch.Tensor:
         fr = frames_of(videos)  # [N, F, 3, H, W]

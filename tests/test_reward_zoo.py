@@ -76,6 +76,41 @@ def test_clip_preprocess_matches_pil_resize_and_crop(tiny_clip):
     assert (shifted - want).abs().mean() > 3 * (got - want).abs().mean()  # a misplaced crop would show
 
 
+def test_openai_clip_checkpoints_load_with_quick_gelu(tiny_clip, tmp_path):
+    """OpenAI's CLIP weights (a TorchScript archive, or its state dict with the config entries) are read and run
+    with QuickGELU, as OpenAI's models compute; the same weights with plain GELU score differently."""
+    arch, _, _ = tiny_clip
+    torch.manual_seed(1)
+    quick = open_clip.create_model(arch, force_quick_gelu=True).eval()
+    torch.jit.script(quick).save(str(tmp_path / "ViT-openai.pt"))
+    torch.save({**quick.state_dict(), "input_resolution": torch.tensor(32), "context_length": torch.tensor(77),
+                "vocab_size": torch.tensor(49408)}, tmp_path / "openai-state.pt")
+    from rewards.clip_models import clip_preprocess
+
+    imgs = images(seed=6)
+    with torch.no_grad():
+        px = clip_preprocess(imgs, 32, open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD)
+        want = (quick.encode_image(px, normalize=True)
+                * quick.encode_text(open_clip.get_tokenizer(arch)(PROMPTS), normalize=True)).sum(-1)
+    for f in ("ViT-openai.pt", "openai-state.pt"):
+        got = REWARDS["clip_score"](arch=arch, pretrained=str(tmp_path / f))(imgs, PROMPTS)["cosine"]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    gelu = REWARDS["clip_score"](arch=arch, pretrained=str(tmp_path / "openai-state.pt"), quick_gelu=False)
+    assert (gelu(imgs, PROMPTS)["cosine"] - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name, kwargs", [("clip_score", {}), ("hpsv2", {}), ("aesthetic", {"clip_pretrained": "x.pt"}),
+                                          ("temporal_consistency", {"embed": "clip"})])
+def test_reward_models_refuse_random_weights(name, kwargs, tiny_clip):
+    with pytest.raises(ValueError, match="random_weights: true"):
+        REWARDS[name](**kwargs)
+    arch, _, _ = tiny_clip
+    if name != "aesthetic":  # an explicit request runs on random weights
+        r = REWARDS[name](arch=arch, random_weights=True, **kwargs)
+        x = images(2, 32)[:, :, None].repeat(1, 1, 2, 1, 1) if name == "temporal_consistency" else images(2)
+        assert torch.isfinite(r(x, PROMPTS[:2])["overall"]).all()
+
+
 def test_hpsv2_loads_wrapped_state_dict(tiny_clip):
     arch, d, model = tiny_clip
     imgs = images(seed=1)
