@@ -36,8 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     ex = sub.add_parser("export", help="merge a trained policy (LoRA fused) into a plain save_pretrained folder")
     ex.add_argument("checkpoint", help="a policy folder or a trainer checkpoint (runs/NAME/checkpoints/iter-N)")
     ex.add_argument("out", help="the new model folder")
+    pl = sub.add_parser("plan", help="parameters, memory and FLOPs of a config at real size (meta device, no weights)")
+    pl.add_argument("config")
+    pl.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.micro_batch=4")
+    pl.add_argument("--arch", help="a published architecture instead of model.path's config (mmrl/models/architectures.py)")
+    pl.add_argument("--prompt-tokens", type=int, default=512, help="token policies: prompt length with media tokens")
     args, extra = p.parse_known_args(argv)  # `--resume` may come before or after the overrides
-    if extra and (args.cmd != "train" or any(x.startswith("-") or "=" not in x for x in extra)):
+    if extra and (args.cmd not in ("train", "plan") or any(x.startswith("-") or "=" not in x for x in extra)):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides += extra
@@ -46,6 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         from mmrl.reward_server import serve_main
 
         return serve_main(args)
+    if args.cmd == "plan":
+        from mmrl.config import load_config
+        from mmrl.plan import format_plan, plan
+
+        res = plan(load_config(args.config, args.overrides), args.arch, args.prompt_tokens)
+        print(format_plan(res))
+        print(json.dumps(res))
+        return 0
     if args.cmd == "export":
         from mmrl.export import export
 
