@@ -175,7 +175,9 @@ def _token_model(cfg, arch: dict | None):
 
 
 def _prepare(module: torch.nn.Module, cfg, targets) -> None:
-    """dtype, LoRA and trainable flags as the policy sets them (trained weights in fp32)."""
+    """dtype, LoRA and trainable flags as the policy sets them. A LoRA adapter computes in fp32 (as in the
+    policy); a fully fine-tuned model computes at model.dtype (bf16 autocast over its fp32 master weights, which
+    the plan counts separately)."""
     from mmrl.policy.base import upcast_trainable
 
     module.to(_DTYPES[cfg.model.dtype])
@@ -185,9 +187,9 @@ def _prepare(module: torch.nn.Module, cfg, targets) -> None:
         module.requires_grad_(False)
         inject_adapter_in_model(LoraConfig(r=cfg.model.lora.rank, lora_alpha=cfg.model.lora.alpha,
                                            target_modules=list(cfg.model.lora.target_modules) or targets), module)
+        upcast_trainable(module)
     else:
         module.requires_grad_(True)
-    upcast_trainable(module)
 
 
 def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512) -> dict:

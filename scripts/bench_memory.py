@@ -7,82 +7,28 @@ rollout, with the gradient difference between the two (it must be rounding only)
     python scripts/bench_memory.py               # flow 8 prompts x 8, token 4 prompts x 8
     python scripts/bench_memory.py --quick       # flow 2 x 8, token 2 x 4
 
-Each configuration runs in a fresh process. Peak = the process's peak resident memory (VmHWM, reset through
-/proc/self/clear_refs after returning freed heap with malloc_trim) minus its resident memory before the phase:
-the memory that phase added at its peak. Training runs one minibatch (one optimizer step, whose gradient is
+Each configuration runs in a fresh process (mmrl/testing/memory.py): peak = the memory a phase added at its peak. Training runs one minibatch (one optimizer step, whose gradient is
 kept and compared). The last line is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import subprocess
-import sys
 import tempfile
-
-
-def _rss_kib(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _rss_kib("VmRSS")
-
-
-def child(spec: dict) -> dict:
-    import random
-
-    import torch
-
-    from mmrl.config import load_config
-    from mmrl.trainer import Trainer
-
-    torch.set_num_threads(spec["threads"])
-    torch.manual_seed(0)
-    tr = Trainer(load_config(spec["config"], spec["overrides"]))
-    tr.policy.defer_old_log_prob = False
-    before = _reset_peak()
-    rollout, rewards, valid, _ = tr._collect(random.Random(0), torch.Generator().manual_seed(0))
-    sample_peak = _rss_kib("VmHWM") - before
-    if spec["resample_whole"]:  # generation in parts draws other tokens: train both runs on the unsplit rollout
-        micro, tr.policy.micro_batch = tr.policy.micro_batch, 0
-        rollout, rewards, valid, _ = tr._collect(random.Random(0), torch.Generator().manual_seed(0))
-        tr.policy.micro_batch = micro
-    adv = torch.linspace(-1, 1, len(rollout))
-    tr.opt.step, tr.opt.zero_grad = (lambda: None), (lambda set_to_none=True: None)  # keep the gradient
-    before = _reset_peak()
-    tr.optimize(rollout, adv)
-    train_peak = _rss_kib("VmHWM") - before
-    torch.save([p.grad for p in tr.params], spec["grads"])
-    return {"rollout_rows": len(rollout), "trained_actions": int(rollout.action_mask.sum()),
-            "sample_peak_mib": sample_peak / 1024, "train_peak_mib": train_peak / 1024}
-
-
-def run(spec: dict) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"child failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def compare(name: str, config: str, overrides: list[str], micro: int, threads: int, tmp: str) -> dict:
     import torch
 
+    from mmrl.testing.memory import measure
+
     res = {}
     for m in (0, micro):
-        spec = {"config": config, "threads": threads, "resample_whole": name == "token", "grads": os.path.join(tmp, f"{name}-{m}.pt"),
-                "overrides": [*overrides, f"train.micro_batch={m}", "train.minibatches=1", f"log.out_dir={tmp}/{name}",
-                              "log.tensorboard=false", "log.progress=false"]}
-        res[m] = run(spec)
+        res[m] = measure(config, [*overrides, f"train.micro_batch={m}", "train.minibatches=1", f"log.out_dir={tmp}/{name}",
+                                  "log.tensorboard=false", "log.progress=false"], threads,
+                         os.path.join(tmp, f"{name}-{m}.pt"), resample_whole=name == "token")
     g0, g1 = (torch.load(os.path.join(tmp, f"{name}-{m}.pt")) for m in (0, micro))
     diff = max((a - b).abs().max().item() for a, b in zip(g0, g1))
     scale = max(a.abs().max().item() for a in g0)
@@ -114,11 +60,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller rollouts (a minute or two)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))))
-        return
     b_flow, b_tok, g_tok = (2, 2, 4) if args.quick else (8, 4, 8)
     with tempfile.TemporaryDirectory() as tmp:
         flow = compare("flow", "configs/t2i/shapes_grpo.yaml",

@@ -34,14 +34,14 @@ def tiny_world(tmp_path_factory) -> str:
     return root
 
 
-def build_tiny_vl(path: str, kind: str = "qwen2_5_vl") -> str:
-    """Save a tiny random-init Qwen-VL of `kind` (real class, local tokenizer and processor) at path."""
+def build_tiny_vl(path: str, kind: str = "qwen2_5_vl", size: str = "tiny") -> str:
+    """Save a tiny (or small) random-init Qwen-VL of `kind` (real class, local tokenizer and processor) at path."""
     from mmrl.models.qwen_vl import build_model, build_processor, build_tokenizer
     from tasks.grounding_world import ANSWER, PROMPT
 
     torch.manual_seed(0)
     tok = build_tokenizer([PROMPT, ANSWER, "red green blue yellow circle square triangle appears shown visible"])
-    build_model(kind, tok, "tiny").save_pretrained(path)
+    build_model(kind, tok, size).save_pretrained(path)
     build_processor(kind, tok).save_pretrained(path)
     return path
 
