@@ -13,19 +13,22 @@ from mmrl.testing.fake_device import DeviceMismatch, fake_accelerator
 from mmrl.trainer import Trainer
 
 
-def step_on_fake(config: str, items: list[str]):
-    """One trainer step on CPU and one on the fake accelerator: the second must not mix devices, and since the
-    fake accelerator computes on CPU, its rewards, loss and gradient norm must equal the CPU step's."""
+def step_on_fake(config: str, items: list[str], device: str = "meta"):
+    """One trainer step on CPU and one on the accelerator (the fake one, or "cuda" on a GPU machine): the second
+    must not mix devices; on the fake accelerator, which computes on CPU, its rewards, loss and gradient norm
+    must also equal the CPU step's."""
     runs = {}
-    for device in ("cpu", "meta"):
-        cfg = load_config(config, [*items, f"model.device={device}"])
-        with fake_accelerator() if device == "meta" else contextlib.nullcontext():
+    for dev in ("cpu", device):
+        cfg = load_config(config, [*items, f"model.device={dev}"])
+        with fake_accelerator() if dev == "meta" else contextlib.nullcontext():
             tr = Trainer(cfg)
-            assert all(p.device.type == device for p in tr.params)
-            runs[device] = tr.step(0)
-    m = runs["meta"]
+            assert all(p.device.type == torch.device(dev).type for p in tr.params)
+            runs[dev] = tr.step(0)
+    m = runs[device]
     assert m["train/optimizer_steps"] >= 1
     assert not {k: v for k, v in m.items() if not torch.isfinite(torch.tensor(float(v)))}
+    if device != "meta":  # a GPU's kernels round differently: samples, and so rewards, may differ
+        return
     assert m["reward/overall_mean"] == pytest.approx(runs["cpu"]["reward/overall_mean"], rel=1e-5, abs=1e-7)
     # the second minibatch follows an Adam step, whose first update is about lr * sign(grad): rounding-level
     # differences in near-zero gradients (a different attention kernel) move it by more than rounding
@@ -64,6 +67,7 @@ def test_flow_step_on_an_accelerator(tiny_pixel_model, tmp_path, items):
     ["model.lora.enabled=true", "model.lora.rank=4", "model.reference=auto", "algo.kl_coef=0.1", "algo.kl=k3"],
     ["algo.offpolicy=ground_truth", "algo.reward_shaping=tempsamp", "algo.sft_coef=1.0", "algo.ratio=gspo"],
     ["sampler.engine=hf", "model.shared_prefix=false", "algo.dynamic_sampling=true"],
+    ["train.gradient_checkpointing=true", "train.micro_batch=2"],  # with the default shared-prefix scoring
 ])
 def test_token_step_on_an_accelerator(tiny_vl, tiny_world, tmp_path, items):
     step_on_fake("configs/tiny/vlm_smoke.yaml", [
@@ -83,3 +87,17 @@ def test_offloaded_parts_wait_on_cpu(tiny_pixel_model, tmp_path):
         parked = [*tr.policy.model.text_modules, tr.policy._ref_copy]
         assert all(p.device.type == "cpu" for m in parked for p in m.parameters())
         assert all(p.device == dev for p in tr.policy.transformer.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py runs it on a GPU machine)")
+@pytest.mark.parametrize("policy", ["flow", "token"])
+def test_step_on_cuda(policy, tiny_pixel_model, tiny_vl, tiny_world, tmp_path):
+    common = [f"log.out_dir={tmp_path}", "log.tensorboard=false", "log.eval_at_start=false"]
+    if policy == "flow":
+        step_on_fake("configs/tiny/flow_smoke.yaml", [f"model.path={tiny_pixel_model}", "algo.kl_coef=0.1", *common],
+                     "cuda")
+    else:
+        step_on_fake("configs/tiny/vlm_smoke.yaml", [f"model.path={tiny_vl}", f"task.kwargs.root={tiny_world}",
+                                                     "task.kwargs.train_videos=6", "task.kwargs.test_videos=3", *common],
+                     "cuda")

@@ -18,7 +18,8 @@ def run(*args):
 @pytest.mark.parametrize("script", ["scripts/bench_shapes.py", "scripts/pretrain_world.py", "scripts/bench_grounding.py",
                                     "scripts/sft_grounding.py", "scripts/bench_vlm_step.py", "scripts/bench_prefix.py",
                                     "scripts/export_smollm2.py", "scripts/bench_rollout.py", "scripts/bench_motion.py",
-                                    "scripts/bench_pairwise.py", "scripts/bench_reward_server.py"])
+                                    "scripts/bench_pairwise.py", "scripts/bench_reward_server.py",
+                                    "scripts/bench_memory.py", "scripts/gpu_check.py"])
 def test_help(script):
     r = run(script, "--help")
     assert r.returncode == 0 and "usage" in r.stdout
@@ -118,3 +119,15 @@ def test_bench_reward_server_quick():
     assert res["load"]["server_requests"] == res["load"]["requests"]
     k = res["killed_server"]
     assert k["error"] and k["tries"] == 3 and k["seconds_to_error"] < k["bound_s"]
+
+
+def test_gpu_check_runs_every_gpu_config_on_cpu():
+    """The GPU acceptance script's iterations (bf16, gradient checkpointing, micro-batches) on CPU; on a machine
+    without CUDA the default (--device cuda) refuses with exit code 2."""
+    r = run("scripts/gpu_check.py", "--device", "cpu", "--quick")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["ok"] and len(res["configs"]) == 5
+    assert all(c["optimizer_steps"] == 2 and c["params_dtypes"] == ["torch.float32"] for c in res["configs"].values())
+    if not res["cuda_available"]:
+        assert run("scripts/gpu_check.py", "--quick").returncode == 2

@@ -377,7 +377,12 @@ class TokenPolicy:
         self.model = wrap(self.model)
 
     def enable_gradient_checkpointing(self) -> None:
+        """Checkpointed training forwards keep no KV cache (transformers turns it off), which the shared-prefix
+        scoring pass needs: scoring then runs one [prompt | completion] forward per row."""
         self.model.gradient_checkpointing_enable()
+        if self.shared_prefix:
+            log.info("train.gradient_checkpointing: shared-prefix scoring is off (it needs the KV cache)")
+        self.shared_prefix = False
 
     @torch.no_grad()
     def evaluate(self, examples: list[dict], seed: int) -> list[str]:

@@ -1,0 +1,138 @@
+"""GPU acceptance: on a machine with CUDA, check what CPU-only CI cannot.
+
+    python scripts/gpu_check.py                  # the device tests on CUDA + one iteration of each GPU config
+    python scripts/gpu_check.py --quick          # the configs only
+    python scripts/gpu_check.py --device cpu     # the same iterations on CPU (no CUDA needed; what CI runs)
+
+1. `pytest -m gpu tests/test_device.py`: the trainer's real step with the policy on CUDA, equal to the CPU step.
+2. One training iteration of every shipped GPU config (SD3.5, FLUX.1, Wan2.x, Qwen2.5-VL grounding, SmolLM2
+   arithmetic) on tiny random-init pipelines of the same real classes, in bf16 with gradient checkpointing and
+   micro-batches, each timed; peak memory is torch.cuda.max_memory_allocated (on CPU: the resident peak).
+Exits 2 when CUDA is asked for and absent. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# config -> (tiny pipeline builder, overrides that point it at the tiny model and world)
+GPU_CONFIGS = {
+    "t2i/sd35_geneval_lora": "sd3",
+    "t2i/flux_lora": "flux",
+    "t2v/wan_lora": "wan",
+    "grounding/charades_qwen25vl_lora": "qwen_vl",
+    "text/smollm2_arithmetic": "causal_lm",
+}
+
+
+def build_models(tmp: str) -> dict[str, list[str]]:
+    """Tiny stand-ins of the real checkpoints, and the overrides each config needs to run on them."""
+    import torch
+
+    from mmrl.models.qwen_vl import build_causal_lm, build_model, build_processor, build_tokenizer
+    from mmrl.models.tiny_pipelines import build_tiny_flux_pipeline, build_tiny_sd3_pipeline, build_tiny_wan_pipeline
+    from tasks.grounding_world import ANSWER, PROMPT, build_world
+
+    paths = {k: os.path.join(tmp, k) for k in ("sd3", "flux", "wan", "qwen_vl", "causal_lm", "world")}
+    build_tiny_sd3_pipeline().save_pretrained(paths["sd3"])
+    build_tiny_flux_pipeline().save_pretrained(paths["flux"])
+    build_tiny_wan_pipeline().save_pretrained(paths["wan"])
+    torch.manual_seed(0)
+    tok = build_tokenizer([PROMPT, ANSWER, "red green blue yellow circle square triangle appears shown visible"])
+    build_model("qwen2_5_vl", tok, "tiny").save_pretrained(paths["qwen_vl"])
+    build_processor("qwen2_5_vl", tok).save_pretrained(paths["qwen_vl"])
+    lm_tok = build_tokenizer(["what is two plus three? 5 answer"])
+    build_causal_lm(lm_tok).save_pretrained(paths["causal_lm"])
+    lm_tok.save_pretrained(paths["causal_lm"])
+    build_world(paths["world"], {"train": 4, "test": 2})
+    small = ["train.prompts_per_iter=2", "train.group_size=4", "train.minibatches=2", "train.grad_accum=1",
+             "task.eval_prompts=2", "model.lora.rank=4", "model.lora.alpha=8"]
+    flow = [*small, "model.sample_size=8", "sampler.num_steps=4", "sampler.eval_steps=2"]
+    return {
+        "sd3": [f"model.path={paths['sd3']}", *flow],
+        "flux": [f"model.path={paths['flux']}", *flow],
+        "wan": [f"model.path={paths['wan']}", *flow, "model.sample_size=4", "model.num_frames=5"],
+        "qwen_vl": [f"model.path={paths['qwen_vl']}", *small, "task.name=grounding_world", "task.kwargs={}",
+                    f"task.kwargs.root={paths['world']}", "task.kwargs.train_videos=4", "task.kwargs.test_videos=2",
+                    "sampler.max_new_tokens=8", "video.min_pixels=3136", "video.max_pixels=3136",
+                    "video.total_pixels=null"],
+        "causal_lm": [f"model.path={paths['causal_lm']}", *small, "sampler.max_new_tokens=8"],
+    }
+
+
+def one_iteration(config: str, overrides: list[str], device: str, out_dir: str) -> dict:
+    import torch
+
+    from mmrl.config import load_config
+    from mmrl.testing.memory import reset_peak, rss_kib
+    from mmrl.trainer import Trainer
+
+    cfg = load_config(os.path.join(ROOT, "configs", config + ".yaml"), [
+        *overrides, f"model.device={device}", "model.dtype=bfloat16", "train.mixed_precision=bf16",
+        "train.gradient_checkpointing=true", "train.micro_batch=2", "train.iterations=1", "train.time_budget_min=0",
+        f"log.out_dir={out_dir}", "log.tensorboard=false", "log.progress=false", "log.eval_at_start=false"])
+    tr = Trainer(cfg)
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = reset_peak()
+    t0 = time.perf_counter()
+    m = tr.step(0)
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else (rss_kib("VmHWM") - before) / 1024
+    rows = cfg.train.prompts_per_iter * cfg.train.group_size
+    return {"seconds": wall, "samples_per_s": rows / wall, "peak_mib": peak, "loss": m["train/loss"],
+            "reward": m["reward/overall_mean"], "optimizer_steps": m["train/optimizer_steps"],
+            "params_dtypes": sorted({str(p.dtype) for p in tr.params})}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--quick", action="store_true", help="skip the pytest device tests")
+    args = p.parse_args()
+    import torch
+
+    result: dict = {"device": args.device, "cuda_available": torch.cuda.is_available()}
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            print("gpu_check: no CUDA device here; run it on a GPU machine (or --device cpu for the CPU path)")
+            print(json.dumps({**result, "error": "no CUDA device"}))
+            return 2
+        result["gpu"] = torch.cuda.get_device_name()
+    if not args.quick and args.device.startswith("cuda"):
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_device.py"], cwd=ROOT,
+                           capture_output=True, text=True)
+        result["device_tests"] = {"returncode": r.returncode, "summary": r.stdout.strip().splitlines()[-1:]}
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = build_models(tmp)
+        result["configs"] = {}
+        for config, model in GPU_CONFIGS.items():
+            try:
+                res = one_iteration(config, overrides[model], args.device, os.path.join(tmp, "run", model))
+            except Exception as e:  # noqa: BLE001 - report every config, then fail
+                res = {"error": f"{type(e).__name__}: {e}"}
+            result["configs"][config] = res
+            print(f"{config:36s} " + (f"{res['seconds']:.2f} s, {res['samples_per_s']:.1f} samples/s, "
+                                      f"peak {res['peak_mib']:.0f} MiB" if "error" not in res else res["error"]))
+    ok = all("error" not in r for r in result["configs"].values()) and \
+        result.get("device_tests", {}).get("returncode", 0) == 0
+    result["ok"] = ok
+    print(json.dumps(result))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    random.seed(0)
+    sys.exit(main())
