@@ -84,7 +84,7 @@ def test_offloaded_parts_wait_on_cpu(tiny_pixel_model, tmp_path):
     with fake_accelerator() as dev:
         tr = Trainer(cfg)
         tr.step(0)
-        parked = [*tr.policy.model.text_modules, tr.policy._ref_copy]
+        parked = [*tr.policy.model.text_modules, *tr.policy._ref_copy.values()]
         assert all(p.device.type == "cpu" for m in parked for p in m.parameters())
         assert all(p.device == dev for p in tr.policy.transformer.parameters())
 

@@ -114,3 +114,39 @@ def test_flux_dynamic_shift_by_hand(pipelines):
     assert [round(w, 4) for w in want] == [1.0, 0.8261, 0.6129, 0.3454, 0.0]
     torch.testing.assert_close(pol.sigmas, torch.tensor(want), atol=1e-6, rtol=0)
     assert policy(pipelines["wan"]).model.schedule_mu is None  # static shift elsewhere
+
+
+def test_wan22_two_experts_switch_at_the_boundary_and_both_train(tmp_path):
+    """Wan2.2 A14B layout: steps at sigma >= boundary_ratio run `transformer`, the others `transformer_2`; both
+    experts get LoRA adapters and gradients from their own steps; the checkpoint reloads with both, and the
+    adapters load into the diffusers pipeline (transformer_2 with load_into_transformer_2=True)."""
+    from diffusers import WanPipeline
+
+    path = str(tmp_path / "wan22")
+    build_tiny_wan_pipeline(two_experts=True).save_pretrained(path)
+    pol = policy(path, "model.sample_size=4", "model.num_frames=5", "model.lora.enabled=true", "model.lora.rank=4")
+    assert [n for n, _ in pol.experts()] == ["transformer", "transformer_2"] and pol.model.boundary == 0.875
+    assert pol.sigmas[0] >= 0.875 > pol.sigmas[1]  # shift 3, 4 steps: step 0 is high-noise, steps 1-2 low-noise
+    contract(pol, (16, 2, 4, 4), (3, 5, 32, 32))
+    for _, tr in pol.experts():
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in tr.named_parameters() if "lora" in n)
+    x = torch.randn(2, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    enc, pooled = pol.model.encode_prompts(["a cat", "a dog"])
+    sigma = torch.tensor([0.9, 0.5])
+    with torch.no_grad():
+        for _, tr in pol.experts():
+            for p in (p for n, p in tr.named_parameters() if "lora_B" in n):
+                p.add_(torch.randn_like(p) * 0.05)
+        both = pol.model.velocity(x, sigma, enc, pooled)
+        hi = pol.model._expert(pol.model.transformer, x[:1], sigma[:1], enc[:1], pooled[:1])
+        lo = pol.model._expert(pol.model.transformer_2, x[1:], sigma[1:], enc[1:], pooled[1:])
+    torch.testing.assert_close(both, torch.cat([hi, lo]))
+    pol.save_pretrained(str(tmp_path / "policy"))
+    reloaded = load_policy_checkpoint(str(tmp_path / "policy"))
+    pipe = WanPipeline.from_pretrained(path)
+    pipe.load_lora_weights(str(tmp_path / "policy"))
+    pipe.load_lora_weights(str(tmp_path / "policy" / "transformer_2"), load_into_transformer_2=True)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.velocity(x, sigma, enc, pooled), both, atol=1e-5, rtol=1e-5)
+        reloaded.transformer, reloaded.transformer_2 = pipe.transformer, pipe.transformer_2
+        torch.testing.assert_close(reloaded.velocity(x, sigma, enc, pooled), both, atol=1e-5, rtol=1e-5)

@@ -7,7 +7,8 @@ Samplers and policies always see unpacked latents x [N, *latent_shape] and a vel
   and unpacked after (a permutation, so densities are unchanged); timestep = sigma; the guidance embedding
   (FLUX.1-dev; `model.guidance`, 3.5 by default) replaces classifier-free guidance; image and text RoPE ids.
 - Wan2.x (`WanTransformer3DModel`): video latents x [N, 16, F', H, W] (F' = (frames - 1) / 4 + 1);
-  timestep = 1000 sigma; UMT5 tokens, no pooled embedding (an empty [N, 0] tensor stands in).
+  timestep = 1000 sigma; UMT5 tokens, no pooled embedding (an empty [N, 0] tensor stands in). Wan2.2 A14B's
+  two experts: `transformer` for sigma >= boundary_ratio, `transformer_2` below, both trained.
 Scheduler shifts come from sampler.shift (static), except FLUX's resolution-dependent shift, taken from the
 pipeline's scheduler config (use_dynamic_shifting) as FluxPipeline applies it.
 """
@@ -87,8 +88,11 @@ def load_pipeline_model(cls: str, path: str, dtype: torch.dtype, device: str, sa
         frames = num_frames or 81
         size = sample_size or 60  # 480 px
         shape = (tr.config.in_channels, (frames - 1) // pipe.vae_scale_factor_temporal + 1, size, size)
+        # Wan2.2 A14B: transformer_2 denoises below boundary_ratio (sigma; = timestep / num_train_timesteps)
+        boundary = pipe.config.get("boundary_ratio") if getattr(pipe, "transformer_2", None) is not None else None
         return FlowModel(tr, encode, decode, shape, (pipe.text_encoder, vae), pipeline_class=cls,
-                         call=wan_call, lora_targets=WAN_LORA_TARGETS)
+                         call=wan_call, lora_targets=WAN_LORA_TARGETS,
+                         transformer_2=pipe.transformer_2 if boundary is not None else None, boundary=boundary)
 
     if cls == "FluxPipeline":
         @torch.no_grad()

@@ -68,15 +68,20 @@ def build_tiny_flux_pipeline(seed: int = 0, guidance_embeds: bool = True) -> Flu
         tokenizer_2=_tokenizer(32))
 
 
-def build_tiny_wan_pipeline(seed: int = 0) -> WanPipeline:
+def _wan_transformer() -> WanTransformer3DModel:
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+                                 out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2,
+                                 cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+
+
+def build_tiny_wan_pipeline(seed: int = 0, two_experts: bool = False) -> WanPipeline:
     """Wan2.1 layout: UMT5 text encoder, WanTransformer3DModel over [16, F', H, W] video latents, the causal video
-    VAE (x4 temporal, x8 spatial compression)."""
+    VAE (x4 temporal, x8 spatial compression). two_experts: Wan2.2 A14B's layout, a low-noise transformer_2 used
+    below boundary_ratio 0.875 (its T2V value)."""
     torch.manual_seed(seed)
+    experts = dict(transformer_2=_wan_transformer(), boundary_ratio=0.875) if two_experts else {}
     return WanPipeline(
-        transformer=WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
-                                          in_channels=16, out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32,
-                                          num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-                                          rope_max_seq_len=32),
+        transformer=_wan_transformer(), **experts,
         vae=AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                              temperal_downsample=[False, True, True]),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),

@@ -19,7 +19,7 @@ import torch
 from mmrl.cache import BoundedCache
 from mmrl.data import PolicyOutput, Rollout, group_ids
 from mmrl.policy.base import load_lora_adapter, reference_kind, save_lora_adapter, upcast_trainable, write_policy_meta
-from mmrl.policy.flow_model import FlowModel, load_flow_model, sigma_schedule
+from mmrl.policy.flow_model import EXPERTS, FlowModel, load_flow_model, sigma_schedule
 from mmrl.rollout.tree import run_tree, trained_steps
 from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std
 
@@ -35,23 +35,22 @@ class FlowPolicy:
         self.model, self.cfg, self.model_path, self.progress = model, sampler_cfg, model_path, progress
         self.tree = tree_cfg or TreeConfig()
         self.model_options = model_options or {}  # how the base was loaded (sample_size ...), kept in checkpoints
-        self.transformer = model.transformer
-        self.device = next(self.transformer.parameters()).device
+        self.device = next(model.transformer.parameters()).device
         self.lora = bool(lora_cfg.enabled)
         if self.lora:
             from peft import LoraConfig
 
             self.lora_config = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, init_lora_weights="gaussian",
                                           target_modules=list(lora_cfg.target_modules or model.lora_targets))
-            self.transformer.requires_grad_(False)
-            self.transformer.add_adapter(self.lora_config)
-        else:
-            self.transformer.requires_grad_(True)
-        upcast_trainable(self.transformer)
-        self.transformer.train()
-        self._ref_copy = None
+        for _, tr in self.experts():  # Wan2.2: each expert trains on the steps of its noise range
+            tr.requires_grad_(not self.lora)
+            if self.lora:
+                tr.add_adapter(self.lora_config)
+            upcast_trainable(tr)
+            tr.train()
+        self._ref_copy = None  # {expert name: frozen copy}
         if reference == "auto" and not self.lora:
-            self._ref_copy = copy.deepcopy(self.transformer).requires_grad_(False).eval()
+            self._ref_copy = {name: copy.deepcopy(tr).requires_grad_(False).eval() for name, tr in self.experts()}
         self.has_reference = reference == "auto"
         self.sigmas = sigma_schedule(sampler_cfg.num_steps, sampler_cfg.shift, model.schedule_mu)  # [S + 1]
         # mean SDE std over the trainable steps 0 .. S-2 of the schedule (TempFlow-GRPO's weight normalizer)
@@ -65,9 +64,8 @@ class FlowPolicy:
         self.text_cache = BoundedCache(text_cache, 2**30)  # prompt -> (enc [L, D], pooled [P])
         self.offload = offload  # frozen parts (text encoders, VAE, reference copy) wait on CPU between uses
         if offload:
-            for m in (*model.text_modules, self._ref_copy):
-                if m is not None:
-                    m.to("cpu")
+            for m in (*model.text_modules, *(self._ref_copy or {}).values()):
+                m.to("cpu")
 
     # ----------------------------------------------------------------------------------------------- sampling
     def _window(self, generator: torch.Generator) -> list[int]:
@@ -239,36 +237,50 @@ class FlowPolicy:
         if not self.has_reference:
             raise RuntimeError("no reference model: set model.reference=auto to use a KL penalty")
         if self.lora:
-            self.transformer.disable_adapters()
+            for _, tr in self.experts():
+                tr.disable_adapters()
             try:
                 yield
             finally:
-                self.transformer.enable_adapters()
+                for _, tr in self.experts():
+                    tr.enable_adapters()
         else:
-            live = self.model.transformer
-            self.model.transformer = self._ref_copy
+            live = dict(self.experts())
+            for name, ref in self._ref_copy.items():
+                setattr(self.model, name, ref)
             try:
-                with self._onload([self._ref_copy]):
+                with self._onload(list(self._ref_copy.values())):
                     yield
             finally:
-                self.model.transformer = live
+                for name, tr in live.items():
+                    setattr(self.model, name, tr)
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.model.transformer
+
+    def experts(self) -> list[tuple[str, torch.nn.Module]]:
+        """(name, transformer) of the trained networks: the transformer, and Wan2.2's low-noise transformer_2."""
+        return [(n, getattr(self.model, n)) for n in EXPERTS if getattr(self.model, n, None) is not None]
 
     def trainable_parameters(self):
-        return [p for p in self.transformer.parameters() if p.requires_grad]
+        return [p for _, tr in self.experts() for p in tr.parameters() if p.requires_grad]
 
     # ------------------------------------------------------------------------------- several processes
     samples_rows = True  # sample(rows=...) gives any subset of a batch's rows
 
     def trainable_modules(self) -> list[torch.nn.Module]:
-        return [self.transformer]
+        return [tr for _, tr in self.experts()]
 
     def parallelize(self, wrap, parallel: str) -> None:
-        """DDP wraps the transformer (gradients all-reduced during backward); FSDP2 shards it in place. Every
+        """DDP wraps each transformer (gradients all-reduced during backward); FSDP2 shards it in place. Every
         transformer call goes through the result; the frozen text encoders and VAE stay replicated."""
-        self.transformer = self.model.transformer = wrap(self.transformer)
+        for name, tr in self.experts():
+            setattr(self.model, name, wrap(tr))
 
     def enable_gradient_checkpointing(self) -> None:
-        self.transformer.enable_gradient_checkpointing()
+        for _, tr in self.experts():
+            tr.enable_gradient_checkpointing()
 
     @torch.no_grad()
     def evaluate(self, examples: list[dict], seed: int) -> torch.Tensor:
@@ -278,22 +290,27 @@ class FlowPolicy:
 
     # ---------------------------------------------------------------------------------------------- save/load
     def save_pretrained(self, path: str) -> None:
-        """LoRA: peft adapter (adapter_model.safetensors + adapter_config.json). Full fine-tuning: the whole
-        model folder (loadable by load_flow_model) for the pixel model, else the transformer's weights."""
+        """LoRA: the peft adapter (adapter_model.safetensors + adapter_config.json) and the diffusers one
+        (pytorch_lora_weights.safetensors); Wan2.2's transformer_2 adapter in transformer_2/ (diffusers:
+        load_lora_weights(path/transformer_2, load_into_transformer_2=True)). Full fine-tuning: the whole model
+        folder (loadable by load_flow_model) for the pixel model, else each transformer's weights."""
         write_policy_meta(path, "flow", self.model_path, self.lora, **self.model_options)
-        if self.lora:
-            save_diffusers_lora(self.transformer, save_lora_adapter(self.transformer, self.lora_config, path),
-                                self.lora_config, path)
-            return
-        self.transformer.save_pretrained(os.path.join(path, "transformer"))
-        if self.model_path and os.path.isfile(os.path.join(self.model_path, "model_index.json")):
+        for name, tr in self.experts():
+            if self.lora:
+                where = path if name == "transformer" else os.path.join(path, name)
+                os.makedirs(where, exist_ok=True)
+                save_diffusers_lora(tr, save_lora_adapter(tr, self.lora_config, where), self.lora_config, where)
+            else:
+                tr.save_pretrained(os.path.join(path, name))
+        if not self.lora and self.model_path and os.path.isfile(os.path.join(self.model_path, "model_index.json")):
             _link_base_parts(self.model_path, path)
 
     def load_trainable_state(self, path: str) -> None:
-        if self.lora:
-            load_lora_adapter(self.transformer, path)
-        else:
-            _load_transformer_weights(self.transformer, path)
+        for name, tr in self.experts():
+            if self.lora:
+                load_lora_adapter(tr, path if name == "transformer" else os.path.join(path, name))
+            else:
+                _load_transformer_weights(tr, path, name)
 
 
 # the diffusers pipeline whose LoRA loader reads each transformer class's adapters
@@ -325,9 +342,9 @@ def in_chunks(fn, size: int, *tensors: torch.Tensor) -> torch.Tensor:
     return torch.cat([fn(*(t[i:i + size] for t in tensors)) for i in range(0, n, size)])
 
 
-def _load_transformer_weights(transformer: torch.nn.Module, path: str) -> None:
-    """Copy the weights of `path/transformer` (written by save_pretrained, possibly sharded) into `transformer`."""
-    transformer.load_state_dict(type(transformer).from_pretrained(os.path.join(path, "transformer")).state_dict())
+def _load_transformer_weights(transformer: torch.nn.Module, path: str, name: str = "transformer") -> None:
+    """Copy the weights of `path/name` (written by save_pretrained, possibly sharded) into `transformer`."""
+    transformer.load_state_dict(type(transformer).from_pretrained(os.path.join(path, name)).state_dict())
 
 
 def _link_base_parts(base: str, path: str) -> None:
@@ -366,16 +383,20 @@ def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:
         return load_flow_model(path, device=device)  # a plain model folder
     meta = json.load(open(meta_file))
     options = meta.get("model_options", {})
-    if not meta["lora"]:
-        if os.path.isfile(os.path.join(path, "model_index.json")):
-            return load_flow_model(path, device=device)
-        model = load_flow_model(meta["base_model"], device=device, **options)
-        _load_transformer_weights(model.transformer, path)
-        return model
+    if not meta["lora"] and os.path.isfile(os.path.join(path, "model_index.json")):
+        return load_flow_model(path, device=device)
     from peft import LoraConfig
 
     model = load_flow_model(meta["base_model"], device=device, **options)
-    model.transformer.add_adapter(LoraConfig.from_pretrained(path))
-    load_lora_adapter(model.transformer, path)
-    model.transformer.eval()
+    for name in EXPERTS:
+        tr = getattr(model, name, None)
+        if tr is None:
+            continue
+        if not meta["lora"]:
+            _load_transformer_weights(tr, path, name)
+            continue
+        where = path if name == "transformer" else os.path.join(path, name)
+        tr.add_adapter(LoraConfig.from_pretrained(where))
+        load_lora_adapter(tr, where)
+        tr.eval()
     return model

@@ -43,6 +43,8 @@ class FlowModel:
     call: Callable = sd3_call                    # (transformer, x, sigma, enc, pooled) -> output like x
     lora_targets: tuple[str, ...] = SD3_LORA_TARGETS
     schedule_mu: float | None = None             # FLUX dynamic shift (replaces sampler.shift); None = static shift
+    transformer_2: torch.nn.Module | None = None  # Wan2.2 A14B: the low-noise expert, used below `boundary`
+    boundary: float | None = None                # sigma at which transformer_2 takes over (boundary_ratio)
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, enc: torch.Tensor, pooled: torch.Tensor,
                  cfg_scale: float = 1.0, neg: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -82,11 +84,24 @@ class FlowModel:
         return self.decode(traj.latents[:, -1])
 
     def _forward(self, x, sigma, enc, pooled):
-        dtype = next(self.transformer.parameters()).dtype
-        out = self.call(self.transformer, x.to(dtype), sigma.to(dtype), enc.to(dtype), pooled.to(dtype))
+        """One transformer forward (rows at sigma >= boundary on transformer, the rest on transformer_2)."""
+        if self.transformer_2 is None:
+            return self._expert(self.transformer, x, sigma, enc, pooled)
+        high = sigma >= self.boundary                                                    # [N]
+        if bool(high.all()) or not bool(high.any()):
+            return self._expert(self.transformer if bool(high.all()) else self.transformer_2, x, sigma, enc, pooled)
+        hi, lo = high.nonzero().squeeze(1), (~high).nonzero().squeeze(1)
+        v_hi = self._expert(self.transformer, x[hi], sigma[hi], enc[hi], pooled[hi])
+        v_lo = self._expert(self.transformer_2, x[lo], sigma[lo], enc[lo], pooled[lo])
+        return v_hi.new_zeros(x.shape).index_put((hi,), v_hi).index_put((lo,), v_lo)  # differentiable
+
+    def _expert(self, transformer, x, sigma, enc, pooled):
+        dtype = next(transformer.parameters()).dtype
+        out = self.call(transformer, x.to(dtype), sigma.to(dtype), enc.to(dtype), pooled.to(dtype))
         return velocity_from_prediction(out.float(), x, sigma, self.prediction)
 
 
+EXPERTS = ("transformer", "transformer_2")  # the trained networks a FlowModel may have (Wan2.2: two experts)
 PREDICTIONS = ("velocity", "sample")
 SIGMA_MIN_X_PRED = 0.05  # x-prediction: v = (x_t - x0_hat) / max(sigma, 0.05), JiT's clip of 1 / t
 
@@ -180,6 +195,8 @@ def load_flow_model(path: str, dtype: torch.dtype = torch.float32, device: str =
     for m in model.text_modules:
         m.requires_grad_(False).eval()
     model.transformer.to(device)
+    if model.transformer_2 is not None:
+        model.transformer_2.to(device)
     for m in model.text_modules:
         m.to(device)
     return model
