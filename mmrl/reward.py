@@ -171,8 +171,9 @@ class RewardRunner:
     (excluded from their group's statistics and from the loss) and are logged. on_error="raise": re-raise.
     """
 
-    def __init__(self, fn: Callable, on_error: str = "skip"):
+    def __init__(self, fn: Callable, on_error: str = "skip", micro_batch: int = 0):
         self.fn, self.on_error = fn, on_error
+        self.micro_batch = micro_batch  # > 0: a pointwise reward scores this many samples per call
         self.last_error: str | None = None  # the most recent exception, "Type: message", for error reports
 
     def __call__(self, outputs, examples: list[dict], group_id: torch.Tensor | None = None
@@ -186,7 +187,7 @@ class RewardRunner:
         if groups and group_id is None:
             raise ValueError("this reward compares the samples of a group (pairwise); it needs group_id")
         try:
-            out = self._check(self.fn(outputs, examples, group_id) if groups else self.fn(outputs, examples), n)
+            out = self._check(self.fn(outputs, examples, group_id) if groups else self._score(outputs, examples), n)
         except Exception as e:  # noqa: BLE001 - isolate the failing samples below
             if self.on_error == "raise":
                 raise
@@ -206,6 +207,15 @@ class RewardRunner:
         if failures:
             log.warning("%d of %d samples have no valid reward; excluded from their groups", failures, n)
         return {k: torch.where(valid, v, torch.zeros_like(v)) for k, v in out.items()}, valid, failures
+
+    def _score(self, outputs, examples) -> dict:
+        """A pointwise reward on micro_batch samples at a time (all at once when 0), joined per key."""
+        k, n = self.micro_batch, len(examples)
+        if not k or k >= n:
+            return self.fn(outputs, examples)
+        parts = [self._check(self.fn(outputs[i:i + k], examples[i:i + k]), len(examples[i:i + k]))
+                 for i in range(0, n, k)]
+        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
 
     @staticmethod
     def _check(out, n):

@@ -56,9 +56,9 @@ class Trainer:
         with self.dist.main_first():  # a task that writes its data (the grounding world) does it once
             self.task = build_task(cfg.task)
         self.reward_fn = REWARDS[cfg.reward.name](**cfg.reward.kwargs)
-        self.reward = RewardRunner(self.reward_fn, cfg.reward.on_error)
+        self.reward = RewardRunner(self.reward_fn, cfg.reward.on_error, cfg.train.micro_batch)
         self.eval_reward = self.reward if not cfg.reward.eval_name else RewardRunner(
-            REWARDS[cfg.reward.eval_name](**cfg.reward.eval_kwargs), cfg.reward.on_error)
+            REWARDS[cfg.reward.eval_name](**cfg.reward.eval_kwargs), cfg.reward.on_error, cfg.train.micro_batch)
         self.reward_pool = ThreadPoolExecutor(cfg.reward.workers, "reward") if cfg.reward.workers else None
         self.params = list(self.policy.trainable_parameters())
         if not self.params:

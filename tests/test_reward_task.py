@@ -63,3 +63,17 @@ def test_shapes_task_balances_categories_and_keeps_heldout_out():
     assert not {ex["prompt"] for ex in drawn} & {ex["prompt"] for ex in task.eval_examples()}
     raw = Counter(ex["category"] for ex in ShapesTask(TaskConfig(), balanced=False).sample(3000, random.Random(0)))
     assert raw["color_attr"] > 1500  # the texts themselves are mostly color attribution
+
+
+def test_reward_runner_scores_in_micro_batches():
+    calls = []
+
+    def reward(outputs, examples):
+        calls.append(len(examples))
+        return {"overall": outputs.sum(-1), "first": outputs[:, 0]}
+
+    x = torch.arange(14.0).view(7, 2)
+    whole, _, _ = RewardRunner(reward)(x, [{}] * 7)
+    parts, valid, _ = RewardRunner(reward, micro_batch=3)(x, [{}] * 7)
+    assert calls == [7, 3, 3, 1] and valid.all()
+    assert all(torch.equal(whole[k], parts[k]) for k in whole)
