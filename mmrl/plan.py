@@ -134,10 +134,13 @@ def _flow_model(cfg, arch: dict | None):
         config = {k: v for k, v in tcfg.items() if not k.startswith("_")}
         text_tokens = _text_tokens(cfg.model.path, pipe["_class_name"])
         coords = pipe.get("coordinates", False)
+        experts = 2 if (pipe.get("transformer_2") or [None])[0] and pipe.get("boundary_ratio") else 1
     else:
         cls, config, text_tokens, coords = arch["class"], arch["config"], arch["text_tokens"], False
+        experts = arch.get("experts", 1)
     with torch.device("meta"):
         tr = getattr(diffusers, cls).from_config(config)
+    tr.experts = experts  # Wan2.2 A14B: two transformers of this architecture, one runs per forward
     c = tr.config
     if cls == "FluxTransformer2DModel":
         size = cfg.model.sample_size or 128
@@ -247,9 +250,10 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512) -> dict:
             model.lm_head(h[:, -s.max_new_tokens:]).float().logsumexp(-1).sum()  # the completion's log-probs
 
     meas = measure_forward(model, run)
-    n_params = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    experts = getattr(model, "experts", 1)
+    n_params = experts * sum(p.numel() for p in model.parameters())
+    trainable = experts * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen_bytes = experts * sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     ref = n_params * dtype.itemsize if (cfg.algo.kl_coef > 0 and cfg.model.reference == "auto"
                                         and not cfg.model.lora.enabled) else 0
     state = {"weights_frozen": frozen_bytes, "weights_trained_fp32": 4 * trainable, "gradients_fp32": 4 * trainable,
@@ -264,7 +268,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512) -> dict:
     train_factor = 4 if t.gradient_checkpointing else 3
     out = {
         "model": arch_name or cfg.model.path, "class": type(model).__name__, "policy": cfg.model.policy,
-        "dtype": cfg.model.dtype, "lora": cfg.model.lora.enabled,
+        "dtype": cfg.model.dtype, "lora": cfg.model.lora.enabled, "experts": experts,
         "params": n_params, "trainable_params": trainable,
         "micro_batch_rows": m, "rows_sampled_per_iter": shapes.rows_sampled, "rows_trained_per_iter": shapes.rows_trained,
         **{f"{k}_gib": v / GiB for k, v in state.items()},

@@ -141,6 +141,12 @@ def test_wan22_two_experts_switch_at_the_boundary_and_both_train(tmp_path):
         hi = pol.model._expert(pol.model.transformer, x[:1], sigma[:1], enc[:1], pooled[:1])
         lo = pol.model._expert(pol.model.transformer_2, x[1:], sigma[1:], enc[1:], pooled[1:])
     torch.testing.assert_close(both, torch.cat([hi, lo]))
+    from mmrl.plan import plan
+
+    planned = plan(load_config(None, [f"model.path={path}", "model.sample_size=4", "model.num_frames=5"]))
+    assert planned["experts"] == 2
+    lora = sum(p.numel() for p in pol.trainable_parameters())
+    assert planned["params"] == sum(p.numel() for _, tr in pol.experts() for p in tr.parameters()) - lora
     pol.save_pretrained(str(tmp_path / "policy"))
     reloaded = load_policy_checkpoint(str(tmp_path / "policy"))
     pipe = WanPipeline.from_pretrained(path)
