@@ -30,7 +30,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass
 class Shapes:
-    """One training forward's inputs. flow: latent [C, *spatial] + text tokens; token: sequence length."""
+    """Transformer rows: of one training forward, of one iteration's sampling and of its training."""
     rows: int                      # rows of one training forward (CFG doubles flow rows)
     rows_sampled: int              # transformer rows of one iteration's rollout (no grad)
     rows_trained: int              # transformer rows trained per iteration (each a forward and a backward)

@@ -18,7 +18,9 @@ class Policy(Protocol):
         """Sample group_size outputs per example. Returns a Rollout of N = len(examples) * group_size rows."""
 
     def log_prob(self, rollout: Rollout, index: torch.Tensor) -> PolicyOutput:
-        """Recompute log-probs [n, A] (with grad) of the stored actions of rows `index` [n]."""
+        """Recompute log-probs [n, A] (with grad) of the stored actions of rows `index` [n]. A policy whose
+        actions score independently sets `scores_actions = True` and also takes `actions` [n, A] bool: only
+        those are recomputed, the others keep their old values (the trainer's micro-batches of transitions)."""
 
     def reference(self) -> contextlib.AbstractContextManager:
         """Context in which log_prob runs the KL reference (adapters disabled, or a frozen copy)."""
