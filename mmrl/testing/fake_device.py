@@ -11,7 +11,10 @@ rules CUDA applies:
   - factories (`torch.zeros(..., device=FAKE)`, `torch.randn(...)`) and `.to(FAKE)` put tensors on FAKE;
   - `.numpy()` of a FAKE tensor raises, as it does for a CUDA tensor; `.item()`, `.tolist()` and `.cpu()`
     work (a real GPU syncs there).
-`torch.Generator(FAKE)` gives a CPU generator (a real run uses one on its device).
+`torch.Generator(FAKE)` gives a CPU generator (a real run uses one on its device). `from_pretrained` of
+transformers and diffusers models runs outside the checks (they build on the real meta device): the weights load
+on CPU and the caller's `.to(device)` moves them, as on a GPU. Not caught: a CPU generator given to a factory on
+FAKE (CUDA refuses it); not supported: autocast on FAKE (the bf16 path is checked on CPU).
 
 Usage: `with fake_accelerator(): policy = build(cfg with model.device="meta"); trainer.step(0)`.
 """
@@ -35,7 +38,7 @@ _CROSS_DEVICE = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, 
 
 
 class DeviceMismatch(RuntimeError):
-    pass
+    """An op mixed accelerator and CPU tensors: CUDA would raise here."""
 
 
 class OnFake(torch.Tensor):
