@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -237,6 +239,11 @@ class Config:
         _choice("video.backend", self.video.backend, ("decord", "torchcodec"))
         _choice("video.on_error", self.video.on_error, ("raise", "skip"))
         _choice("sampler.kind", self.sampler.kind, ("flow_grpo", "dance", "cps"))
+        _choice("sampler.engine", self.sampler.engine, ("prefix_cache", "hf", "vllm"))
+        if len(self.sampler.sde_window_range) != 2:
+            raise ValueError(f"sampler.sde_window_range must be [lo, hi) window starts, e.g. [0, 4]; got "
+                             f"{self.sampler.sde_window_range}")
+        self._check_policy_keys()
         _choice("sampler.logprob_reduce", self.sampler.logprob_reduce, ("mean", "sum"))
         _choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
         _choice("model.reference", self.model.reference, ("auto", "none"))
@@ -289,6 +296,23 @@ class Config:
         return self
 
 
+    # keys that only one kind of policy reads: set for the other, they would be ignored silently
+    FLOW_ONLY = {"sampler": ("kind", "num_steps", "noise_level", "cfg_scale", "shift", "sde_window_size",
+                             "sde_window_range", "logprob_reduce", "shared_noise", "eval_steps", "eval_cfg_scale"),
+                 "model": ("sample_size", "num_frames", "guidance", "text_cache", "offload")}
+    TOKEN_ONLY = {"sampler": ("temperature", "top_p", "max_new_tokens", "engine", "vllm"),
+                  "model": ("shared_prefix", "freeze_vision")}
+
+    def _check_policy_keys(self) -> None:
+        """Reject keys the chosen policy never reads (changed from their defaults), naming the fix."""
+        other = self.TOKEN_ONLY if self.model.policy == "flow" else self.FLOW_ONLY
+        for section, keys in other.items():
+            default = type(getattr(self, section))()
+            for k in keys:
+                if getattr(getattr(self, section), k) != getattr(default, k):
+                    raise ValueError(f"{section}.{k} does not apply to model.policy={self.model.policy}: remove it "
+                                     f"(it is read by {'token' if self.model.policy == 'flow' else 'flow'} policies only)")
+
     def _validate_tree(self) -> None:
         tr = self.tree
         _choice("tree.fusion", tr.fusion, ("mean", "softmax"))
@@ -321,6 +345,7 @@ def _build(cls, data: dict, where: str):
     if not isinstance(data, dict):
         raise ValueError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
     names = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
         if key not in names:
@@ -334,31 +359,47 @@ def _build(cls, data: dict, where: str):
         if sub is not None and dataclasses.is_dataclass(sub):
             kwargs[key] = _build(sub, value, f"{where}.{key}" if where else key)
         else:
-            kwargs[key] = _coerce(value, f.type, f"{where}.{key}" if where else key)
+            kwargs[key] = _coerce(value, hints[key], f"{where}.{key}" if where else key)
     return cls(**kwargs)
 
 
-_SCALARS = {"float": float, "int": int, "bool": bool, "str": str}
-
-
-def _coerce(value: Any, type_str: str, key: str) -> Any:
-    """Check a scalar against its field's annotation; accept '3e-5' (YAML reads it as a string) as a float."""
-    names = [t.strip() for t in str(type_str).split("|")]
-    if value is None and "None" in names:
-        return None
-    base = names[0]
-    if base not in _SCALARS:
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the field's type hint (scalars, `X | None`, list[X], dict), recursing into lists;
+    accept '3e-5' (YAML reads it as a string) and ints where a float is expected. Raise naming the fix."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, a, key)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0])
+    if typing.get_origin(tp) is list:
+        if not isinstance(value, list):
+            raise ValueError(f"config key {key!r} expects a list ({_name(tp)}), got {value!r} "
+                             f"({type(value).__name__}): write {key}=[{value}]")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
+    if tp is dict or typing.get_origin(tp) is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"config key {key!r} expects a mapping, got {value!r} ({type(value).__name__})")
         return value
-    if base == "float" and isinstance(value, (int, str)) and not isinstance(value, bool):
+    if tp is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         try:
             return float(value)
         except ValueError:
             pass
-    if base == "float" and isinstance(value, float):
+    if tp in (int, float, bool, str) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
         return value
-    if isinstance(value, _SCALARS[base]) and not (base == "int" and isinstance(value, bool)):
+    if tp is Any:
         return value
-    raise ValueError(f"config key {key!r} expects {type_str}, got {value!r} ({type(value).__name__})")
+    raise ValueError(f"config key {key!r} expects {_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _name(tp: Any) -> str:
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
 
 
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:

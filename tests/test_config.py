@@ -49,6 +49,14 @@ def test_overrides_and_types():
     ("task.name=prompt_file", r"needs task.prompt_file=PATH"),
     ("trainlr", r"must look like section.key=value"),
     ("train.iterations=ten", r"'train.iterations' expects int, got 'ten'"),
+    # containers are checked from the type hints: a string is not a list of strings
+    ("model.lora.target_modules=q_proj", r"'model.lora.target_modules' expects a list \(list\[str\]\), got 'q_proj'.*"
+                                         r"write model.lora.target_modules=\[q_proj\]"),
+    ("model.lora.target_modules=[1]", r"'model.lora.target_modules\[0\]' expects str, got 1"),
+    ("sampler.sde_window_range=5", r"'sampler.sde_window_range' expects a list \(list\[int\]\), got 5"),
+    ("sampler.sde_window_range=[0,1,2]", r"sampler.sde_window_range must be \[lo, hi\) window starts"),
+    ("sampler.engine=vlm", r"sampler.engine: invalid value 'vlm'; valid: \['prefix_cache', 'hf', 'vllm'\]"),
+    ("sampler.temperature=0.7", r"sampler.temperature does not apply to model.policy=flow: remove it"),
 ])
 def test_bad_config_errors_name_the_fix(override, message):
     with pytest.raises(ValueError, match=message):
@@ -58,3 +66,11 @@ def test_bad_config_errors_name_the_fix(override, message):
 def test_missing_config_file():
     with pytest.raises(FileNotFoundError, match="configs/t2i/shapes_grpo.yaml"):
         load_config("configs/nope.yaml")
+
+
+def test_flow_keys_rejected_on_token_policies():
+    with pytest.raises(ValueError, match=r"sampler.num_steps does not apply to model.policy=vlm.*flow policies only"):
+        load_config("configs/tiny/vlm_smoke.yaml", ["sampler.num_steps=20"])
+    with pytest.raises(ValueError, match=r"model.sample_size does not apply to model.policy=vlm"):
+        load_config("configs/tiny/vlm_smoke.yaml", ["model.sample_size=64"])
+    assert load_config("configs/tiny/vlm_smoke.yaml", ["sampler.temperature=0.7"]).sampler.temperature == 0.7
