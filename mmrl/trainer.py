@@ -251,9 +251,10 @@ class Trainer:
 
     def _check_parallel_config(self) -> None:
         cfg = self.cfg
-        if cfg.algo.dynamic_sampling or cfg.reward.workers or cfg.tree.split_steps:
-            raise ValueError("several processes do not support algo.dynamic_sampling, reward.workers or tree "
-                             "rollouts yet: turn them off, or run in one process")
+        if cfg.algo.dynamic_sampling or cfg.reward.workers or cfg.tree.split_steps or cfg.train.micro_batch:
+            # micro-batches: ranks would run different numbers of backward passes (DDP / FSDP collectives hang)
+            raise ValueError("several processes do not support algo.dynamic_sampling, reward.workers, tree "
+                             "rollouts or train.micro_batch yet: turn them off, or run in one process")
         n = cfg.train.prompts_per_iter * cfg.train.group_size
         if n < self.dist.world:
             raise ValueError(f"prompts_per_iter * group_size = {n} rows for {self.dist.world} processes")

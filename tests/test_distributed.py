@@ -80,6 +80,14 @@ def test_ranks_that_drift_apart_are_caught(tiny_pixel_model, tmp_path):
     assert r.returncode != 0 and "ranks are out of sync" in r.stdout
 
 
+def test_micro_batches_refused_with_several_processes(tiny_pixel_model, tmp_path):
+    """Ranks could run different numbers of micro-batch backward passes, and DDP / FSDP collectives would hang:
+    refused at start instead."""
+    r = run(tiny_pixel_model, str(tmp_path / "x.safetensors"), "--parallel", "ddp", "--steps", "1",
+            "--set", "train.micro_batch=2", procs=2)
+    assert r.returncode != 0 and "train.micro_batch yet" in r.stderr
+
+
 def test_a_launched_process_without_parallel_refuses(monkeypatch):
     from mmrl.distributed import Distributed
 

@@ -26,6 +26,7 @@ def main():
     p.add_argument("--save", action="store_true", help="also write a checkpoint (gathers FSDP shards)")
     p.add_argument("--resume-at", type=int, default=0, help="save after this many steps, resume in a new trainer")
     p.add_argument("--world", default=None, help="token policy: MODEL is a tiny Qwen-VL, WORLD a grounding world")
+    p.add_argument("--set", nargs="*", default=[], help="more config overrides (section.key=value)")
     args = p.parse_args()
     torch.set_num_threads(1)
     from safetensors.torch import save_file
@@ -36,7 +37,7 @@ def main():
 
     common = [f"model.path={args.model}", f"log.out_dir={os.path.dirname(args.out)}/run-{args.parallel}{'-resume' if args.resume_at else ''}",
               "log.tensorboard=false", "log.eval_at_start=false", f"train.parallel={args.parallel}",
-              "model.reference=none", "train.minibatches=2"]
+              "model.reference=none", "train.minibatches=2", *args.set]
     if args.world:
         cfg = load_config(os.path.join(ROOT, "configs/tiny/vlm_smoke.yaml"), common + [f"task.kwargs.root={args.world}"])
     else:
