@@ -1,11 +1,25 @@
-"""Atomic checkpoint folders."""
+"""Checkpoints: atomic folders, and a trainer's save / exact resume.
+
+checkpoints/iter-N/ holds policy/ (the policy's save_pretrained: loadable on its own), trainer_state.pt (raw
+trainable weights, EMA, optimizer, RNG, iteration, elapsed minutes; weights_only-loadable), config.json, and
+under FSDP one optimizer-rankR.pt per rank.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import shutil
 import tempfile
+
+import torch
+
+from mmrl.config import to_dict
+from mmrl.distributed import from_local_state, full, local_state, shard_like, unsharded
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -45,3 +59,66 @@ def prune(folder: str, keep: int) -> None:
     names = sorted((d for d in os.listdir(folder) if d.startswith("iter-") and d[5:].isdigit()), key=lambda d: int(d[5:]))
     for d in names[:-keep]:
         shutil.rmtree(os.path.join(folder, d), ignore_errors=True)
+
+
+def save_trainer(tr) -> str:
+    """checkpoints/iter-N of trainer `tr` (mmrl.trainer.Trainer). Rank 0 writes (atomically); every rank takes part in gathering sharded weights (FSDP: each rank also
+    writes its optimizer shard into the same folder, which needs a filesystem all ranks share), then all
+    check that their parameters agree."""
+    path = os.path.join(tr.cfg.log.out_dir, "checkpoints", f"iter-{tr.iteration:06d}")
+    fsdp = tr.dist.world > 1 and tr.cfg.train.parallel == "fsdp"
+    params = [full(p).detach().clone() for p in tr.params]     # a collective under FSDP: every rank
+    ema = [full(e).clone() for e in tr.ema] if tr.ema is not None else None
+    tr._swap_ema()  # the saved policy is the EMA one when enabled; raw weights go to trainer_state
+    try:
+        with unsharded(tr.policy.trainable_modules() if fsdp else []), contextlib.ExitStack() as stack:
+            tmp = stack.enter_context(atomic_dir(path)) if tr.dist.main else None
+            tmp = tr.dist.broadcast_object(tmp)
+            if fsdp:  # optimizer state is sharded like the parameters: one file per rank
+                torch.save(local_state(tr.opt.state_dict()), os.path.join(tmp, f"optimizer-rank{tr.dist.rank}.pt"))
+            tr.dist.barrier()  # every shard is in the folder before rank 0 publishes it
+            if tr.dist.main:
+                tr.policy.save_pretrained(os.path.join(tmp, "policy"))
+                state = {"iteration": tr.iteration, "optimizer": None if fsdp else tr.opt.state_dict(),
+                         "params": params, "ema": ema, "torch_rng": torch.get_rng_state(),
+                         "elapsed_min": tr.elapsed_min,
+                         "world": tr.dist.world, "parallel": tr.cfg.train.parallel}
+                torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+                with open(os.path.join(tmp, "config.json"), "w") as f:
+                    json.dump(to_dict(tr.cfg), f, indent=2)
+        if tr.dist.main:
+            prune(os.path.dirname(path), tr.cfg.log.keep_checkpoints)
+    finally:
+        tr._swap_ema()
+    tr.dist.barrier()
+    tr.dist.check_in_sync(tr.params)
+    return path
+
+
+def resume_trainer(tr) -> bool:
+    """Load the latest checkpoint in log.out_dir into trainer `tr` (weights, EMA, optimizer, RNG, iteration,
+    elapsed minutes); False when there is none."""
+    path = latest(os.path.join(tr.cfg.log.out_dir, "checkpoints"))
+    if path is None:
+        return False
+    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+    sharded = state["optimizer"] is None
+    if sharded and (state.get("world") != tr.dist.world or tr.cfg.train.parallel != "fsdp"):
+        raise ValueError(f"{path} was written by an FSDP run on {state.get('world')} processes; its optimizer "
+                         f"state is sharded: resume it with train.parallel=fsdp on as many processes")
+    with torch.no_grad():
+        for p, v in zip(tr.params, state["params"]):
+            p.copy_(shard_like(v, p))
+        if state["ema"] is not None and tr.ema is not None:
+            for e, v in zip(tr.ema, state["ema"]):
+                e.copy_(shard_like(v, e))
+    if sharded:
+        opt = torch.load(os.path.join(path, f"optimizer-rank{tr.dist.rank}.pt"), weights_only=True)
+        tr.opt.load_state_dict(from_local_state(opt, tr.params))
+    else:
+        tr.opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    tr.iteration = state["iteration"]
+    tr.elapsed_min = state.get("elapsed_min", 0.0)
+    log.info("resumed from %s at iteration %d", path, tr.iteration)
+    return True

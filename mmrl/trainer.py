@@ -27,9 +27,9 @@ from mmrl.algorithms import (ADVANTAGES, KL_ESTIMATORS, LOSS_AGG, OFFPOLICY, POL
                              REWARD_AGGREGATIONS, REWARD_SHAPINGS, WEIGHTINGS)
 from mmrl.algorithms.advantages import group_stats
 from mmrl.algorithms.offpolicy import injection_diagnostics
-from mmrl.config import Config, to_dict
+from mmrl.config import Config
 from mmrl.data import Rollout
-from mmrl.distributed import Distributed, from_local_state, full, local_state, shard_like, unsharded
+from mmrl.distributed import Distributed, full
 from mmrl.evaluation import evaluate_outputs
 from mmrl.metrics import Logger, Timer
 from mmrl.policy import POLICIES
@@ -185,7 +185,7 @@ class Trainer:
         """Sample a group per example and score it. With reward.workers > 0 the examples are sampled in
         reward.overlap_chunks chunks, and each chunk is scored in the thread pool while the next one samples
         (a remote reward then runs fully in parallel); the chunks are joined in order."""
-        t, a, r = self.cfg.train, self.cfg.algo, self.cfg.reward
+        a, r = self.cfg.algo, self.cfg.reward
 
         def sample(chunk):
             with self.timer("rollout"):
@@ -268,7 +268,7 @@ class Trainer:
         """rows: the global indices of this rank's rows of the rollout; row_actions [N]: trained actions of every
         row (all ranks). Minibatches are chunks of one global permutation; each rank trains its rows of them,
         normalized by the whole step's counts (x world, as DDP / FSDP average the gradients over ranks)."""
-        cfg, t, a, w = self.cfg, self.cfg.train, self.cfg.algo, self.dist.world
+        cfg, t, w = self.cfg, self.cfg.train, self.dist.world
         n_total, off = len(row_actions), int(rows[0]) if len(rows) else 0
         stats: dict[str, list] = {}
         ratios, steps = [], 0
@@ -432,64 +432,12 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- checkpoints
     def save(self) -> str:
-        """Rank 0 writes (atomically); every rank takes part in gathering sharded weights (FSDP: each rank also
-        writes its optimizer shard into the same folder, which needs a filesystem all ranks share), then all
-        check that their parameters agree."""
-        path = os.path.join(self.cfg.log.out_dir, "checkpoints", f"iter-{self.iteration:06d}")
-        fsdp = self.dist.world > 1 and self.cfg.train.parallel == "fsdp"
-        params = [full(p).detach().clone() for p in self.params]     # a collective under FSDP: every rank
-        ema = [full(e).clone() for e in self.ema] if self.ema is not None else None
-        self._swap_ema()  # the saved policy is the EMA one when enabled; raw weights go to trainer_state
-        try:
-            with unsharded(self.policy.trainable_modules() if fsdp else []), contextlib.ExitStack() as stack:
-                tmp = stack.enter_context(ckpt.atomic_dir(path)) if self.dist.main else None
-                tmp = self.dist.broadcast_object(tmp)
-                if fsdp:  # optimizer state is sharded like the parameters: one file per rank
-                    torch.save(local_state(self.opt.state_dict()), os.path.join(tmp, f"optimizer-rank{self.dist.rank}.pt"))
-                self.dist.barrier()  # every shard is in the folder before rank 0 publishes it
-                if self.dist.main:
-                    self.policy.save_pretrained(os.path.join(tmp, "policy"))
-                    state = {"iteration": self.iteration, "optimizer": None if fsdp else self.opt.state_dict(),
-                             "params": params, "ema": ema, "torch_rng": torch.get_rng_state(),
-                             "elapsed_min": self.elapsed_min,
-                             "world": self.dist.world, "parallel": self.cfg.train.parallel}
-                    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-                    with open(os.path.join(tmp, "config.json"), "w") as f:
-                        json.dump(to_dict(self.cfg), f, indent=2)
-            if self.dist.main:
-                ckpt.prune(os.path.dirname(path), self.cfg.log.keep_checkpoints)
-        finally:
-            self._swap_ema()
-        self.dist.barrier()
-        self.dist.check_in_sync(self.params)
-        return path
+        """Write checkpoints/iter-N (atomically; mmrl/checkpoint.py) and return its path."""
+        return ckpt.save_trainer(self)
 
     def resume(self) -> bool:
         """Load the latest checkpoint in log.out_dir; False when there is none."""
-        path = ckpt.latest(os.path.join(self.cfg.log.out_dir, "checkpoints"))
-        if path is None:
-            return False
-        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
-        sharded = state["optimizer"] is None
-        if sharded and (state.get("world") != self.dist.world or self.cfg.train.parallel != "fsdp"):
-            raise ValueError(f"{path} was written by an FSDP run on {state.get('world')} processes; its optimizer "
-                             f"state is sharded: resume it with train.parallel=fsdp on as many processes")
-        with torch.no_grad():
-            for p, v in zip(self.params, state["params"]):
-                p.copy_(shard_like(v, p))
-            if state["ema"] is not None and self.ema is not None:
-                for e, v in zip(self.ema, state["ema"]):
-                    e.copy_(shard_like(v, e))
-        if sharded:
-            opt = torch.load(os.path.join(path, f"optimizer-rank{self.dist.rank}.pt"), weights_only=True)
-            self.opt.load_state_dict(from_local_state(opt, self.params))
-        else:
-            self.opt.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        self.iteration = state["iteration"]
-        self.elapsed_min = state.get("elapsed_min", 0.0)
-        log.info("resumed from %s at iteration %d", path, self.iteration)
-        return True
+        return ckpt.resume_trainer(self)
 
 
 def lr_scale(it: int, iterations: int, elapsed_min: float, budget_min: float, warmup: int, cooldown: float) -> float:

@@ -1,7 +1,5 @@
 """Learning: a known reward rises within a few CPU iterations through the real trainer."""
 
-import torch
-
 from mmrl.config import load_config
 from mmrl.reward import REWARDS
 from mmrl.trainer import Trainer

@@ -1,7 +1,6 @@
 """Pref-GRPO pairwise win rates, judges and the answer parser; several rewards (sum vs GDPO) by hand."""
 
 import math
-import random
 
 import pytest
 import torch

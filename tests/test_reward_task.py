@@ -1,6 +1,5 @@
 """Bad input: rewards that raise or return NaN, missing or empty prompt files."""
 
-import math
 import random
 from types import SimpleNamespace
 

@@ -25,7 +25,7 @@ import os
 import torch
 from mmrl.data import PolicyOutput, Rollout, group_ids
 from mmrl.policy.base import load_lora_adapter, reference_kind, save_lora_adapter, upcast_trainable, write_policy_meta
-from mmrl.rollout.engine import HFEngine, PrefixCacheEngine, SamplingParams, completion_mask, pad_after_eos
+from mmrl.rollout.engine import HFEngine, PrefixCacheEngine, SamplingParams, completion_mask
 from mmrl.cache import BoundedCache
 from mmrl.video import VideoCache, VideoError, VideoOptions
 
