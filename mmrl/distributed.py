@@ -76,6 +76,22 @@ class Distributed:
         dist.all_gather_object(parts, items)
         return [x for part in parts for x in part]
 
+    def gather_rows(self, rollout, rewards: dict, valid: torch.Tensor):
+        """Every rank's rows (rank order), as the advantages and the reward metrics read them: a Rollout of
+        group ids, off-policy flags and categories (no actions), the rewards [N] and the valid mask [N]; and this
+        rank's global rows [n] and every row's trained-action count [N] (the loss normalization)."""
+        from mmrl.data import Rollout
+
+        off = sum(self.gather(torch.tensor([len(rollout)])).tolist()[:self.rank])
+        local_rows = torch.arange(off, off + len(rollout))
+        row_actions = self.gather((rollout.action_mask & valid.unsqueeze(-1)).sum(-1))   # [N]
+        n = row_actions.shape[0]
+        everyone = Rollout(group_id=self.gather(rollout.group_id), old_log_prob=torch.zeros(n, 0),
+                           action_mask=torch.zeros(n, 0, dtype=torch.bool),
+                           examples=[{"category": c} for c in self.gather_list([e.get("category") for e in rollout.examples])],
+                           outputs=None, is_offpolicy=self.gather(rollout.is_offpolicy))
+        return everyone, {k: self.gather(v) for k, v in rewards.items()}, self.gather(valid), local_rows, row_actions
+
     def wrap(self, module: torch.nn.Module, mixed_precision: str = "no") -> torch.nn.Module:
         """DDP: the module wrapped (attributes still reach it); FSDP2: the module sharded in place."""
         if self.world == 1 or self.parallel == "none":

@@ -122,7 +122,7 @@ class Trainer:
         metrics["rollout/actions_mean"] = rollout.action_mask.sum(-1).float().mean().item()  # tokens: completion length
         local = (rollout, valid)
         if self.dist.world > 1:  # advantages need whole groups: every rank sees every row's reward
-            rollout, rewards, valid = self._gathered(rollout, rewards, valid)
+            rollout, rewards, valid, self._local_rows, self._row_actions = self.dist.gather_rows(rollout, rewards, valid)
         shaped = REWARD_SHAPINGS[a.reward_shaping](rewards["overall"], a)
         adv_fn = lambda r, g, v: ADVANTAGES[a.advantage](r, g, v, a)[0]  # noqa: E731
         adv, adv_stats = REWARD_AGGREGATIONS[a.reward_aggregation]({**rewards, "overall": shaped},
@@ -233,21 +233,6 @@ class Trainer:
         ro = self.policy.sample([examples[i] for i in share.tolist()], g, gen)
         ro.group_id = ro.group_id + int(share[0]) if len(share) else ro.group_id
         return ro
-
-    def _gathered(self, rollout: Rollout, rewards: dict, valid: torch.Tensor):
-        """Every rank's rows (rank order), as what the advantages and the reward metrics read: a Rollout of
-        group ids, off-policy flags and categories (no actions), the rewards and the valid mask. Remembers this
-        rank's global rows and every row's trained-action count (the loss normalization)."""
-        d = self.dist
-        n = len(rollout)
-        off = sum(d.gather(torch.tensor([n])).tolist()[:d.rank])
-        self._local_rows = torch.arange(off, off + n)
-        self._row_actions = d.gather((rollout.action_mask & valid.unsqueeze(-1)).sum(-1))   # [N]
-        everyone = Rollout(group_id=d.gather(rollout.group_id), old_log_prob=torch.zeros(self._row_actions.shape[0], 0),
-                           action_mask=torch.zeros(self._row_actions.shape[0], 0, dtype=torch.bool),
-                           examples=[{"category": c} for c in d.gather_list([e.get("category") for e in rollout.examples])],
-                           outputs=None, is_offpolicy=d.gather(rollout.is_offpolicy))
-        return everyone, {k: d.gather(v) for k, v in rewards.items()}, d.gather(valid)
 
     def _check_parallel_config(self) -> None:
         cfg = self.cfg

@@ -30,9 +30,12 @@ def test_a_row_is_the_same_whichever_process_samples_it(tiny_pixel_model, tmp_pa
     full = policy.sample(ex, 4, torch.Generator().manual_seed(3))
     part = policy.sample(ex, 4, torch.Generator().manual_seed(3), rows=torch.arange(5, 9))  # cuts groups 1 and 2
     assert part.group_id.tolist() == [1, 1, 1, 2] and [e["prompt"] for e in part.examples] == ["two blue squares"] * 3 + ["a green triangle"]
-    assert torch.equal(part.outputs, full.outputs[5:9])
-    for k in ("latents", "next_latents", "enc"):
-        assert torch.equal(part.extras[k], full.extras[k][5:9])
+    # The noise and the prompts are the same bits; the transformer's float sums may round differently with the
+    # batch size (BLAS picks kernels per shape, so on some CPUs 4 rows and 12 rows differ in the last bits).
+    assert torch.equal(part.extras["enc"], full.extras["enc"][5:9])
+    torch.testing.assert_close(part.outputs, full.outputs[5:9], rtol=0, atol=1e-5)
+    for k in ("latents", "next_latents"):
+        torch.testing.assert_close(part.extras[k], full.extras[k][5:9], rtol=0, atol=1e-5)
     torch.testing.assert_close(part.old_log_prob, full.old_log_prob[5:9])
 
 
