@@ -1,6 +1,10 @@
-"""`mmrl train CONFIG [--resume] [key=value ...]`, `mmrl eval CHECKPOINT [--n N]` and
-`mmrl serve-reward NAME [--kwargs JSON] [--port P]` (mmrl/reward_server.py), `mmrl export CHECKPOINT OUT` (a merged
-model folder for diffusers / transformers; mmrl/export.py)."""
+"""The command line:
+    mmrl train CONFIG [--resume] [key=value ...]        train (mmrl/trainer.py)
+    mmrl eval CONFIG [CHECKPOINT ...] [key=value ...]   the config's held-out benchmark (mmrl/eval.py)
+    mmrl validate CONFIG [key=value ...]                check a config and every name in it, build nothing
+    mmrl plan CONFIG [key=value ...]                    memory and FLOPs at real size (mmrl/plan.py)
+    mmrl export CHECKPOINT OUT                          a merged model folder (mmrl/export.py)
+    mmrl serve-reward NAME [--kwargs JSON] [--port P]   a reward over HTTP (mmrl/reward_server.py)"""
 
 from __future__ import annotations
 
@@ -20,10 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("config", help="YAML config (see configs/)")
     tr.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.lr=1e-4")
     tr.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in log.out_dir")
-    ev = sub.add_parser("eval", help="score a checkpoint or model folder on the shapes held-out benchmark")
-    ev.add_argument("checkpoint")
-    ev.add_argument("--n", type=int, default=504)
-    ev.add_argument("--seed", type=int, default=0)
+    ev = sub.add_parser("eval", help="score the base model and checkpoints on the config's held-out benchmark")
+    ev.add_argument("config", help="YAML config: its task, reward and base model")
+    ev.add_argument("rest", nargs="*", metavar="CHECKPOINT|key=value",
+                    help="trainer checkpoints (runs/NAME/checkpoints/iter-N), policy or model folders; overrides")
+    ev.add_argument("--seed", type=int, default=0, help="example i uses seed SEED + i")
+    ev.add_argument("--no-base", action="store_true", help="skip the config's base model")
+    va = sub.add_parser("validate", help="check a config: keys, types, values and every registry name")
+    va.add_argument("config")
+    va.add_argument("overrides", nargs="*")
     sv = sub.add_parser("serve-reward", help="serve a registered reward over HTTP (reward.name=remote calls it)")
     sv.add_argument("name", help="reward registry key, e.g. shapes, clip_score, pickscore")
     sv.add_argument("--kwargs", default="{}", help="JSON keyword arguments of the reward")
@@ -42,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--arch", help="a published architecture instead of model.path's config (mmrl/models/architectures.py)")
     pl.add_argument("--prompt-tokens", type=int, default=512, help="token policies: prompt length with media tokens")
     args, extra = p.parse_known_args(argv)  # `--resume` may come before or after the overrides
-    if extra and (args.cmd not in ("train", "plan") or any(x.startswith("-") or "=" not in x for x in extra)):
+    if extra and (args.cmd not in ("train", "plan", "validate") or any(x.startswith("-") or "=" not in x for x in extra)):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides += extra
@@ -51,8 +60,25 @@ def main(argv: list[str] | None = None) -> int:
         from mmrl.reward_server import serve_main
 
         return serve_main(args)
+    if args.cmd in ("eval", "validate"):
+        from mmrl.compose import load_config
+        from mmrl.eval import eval_main
+
+        if args.cmd == "eval":
+            args.overrides = [x for x in args.rest if "=" in x and not os.path.exists(x)]
+            args.checkpoints = [x for x in args.rest if x not in args.overrides]
+        try:
+            cfg = load_config(args.config, args.overrides)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"mmrl: config error: {e}", file=sys.stderr)
+            return 2
+        if args.cmd == "validate":
+            print(f"{args.config}: valid (model.policy={cfg.model.policy}, task.name={cfg.task.name}, "
+                  f"reward.name={cfg.reward.name})")
+            return 0
+        return eval_main(args, cfg)
     if args.cmd == "plan":
-        from mmrl.config import load_config
+        from mmrl.compose import load_config
         from mmrl.plan import format_plan, plan
 
         res = plan(load_config(args.config, args.overrides), args.arch, args.prompt_tokens)
@@ -65,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         print(export(args.checkpoint, args.out))
         return 0
     if args.cmd == "train":
-        from mmrl.config import load_config
+        from mmrl.compose import load_config
         from mmrl.trainer import train
 
         try:
@@ -76,14 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         res = train(cfg, resume=args.resume)
         print(json.dumps({k: v for k, v in res.items()}, default=str))
         return 0
-    from mmrl.policy.flow import load_policy_checkpoint
-    from tasks import shapes
-    from tasks.shapes_eval import evaluate
-
-    res = evaluate(load_policy_checkpoint(args.checkpoint), shapes.balanced_prompts("heldout", args.n, seed=1234),
-                   seed=args.seed)
-    print(json.dumps(res))
-    return 0
+    raise AssertionError(args.cmd)
 
 
 if __name__ == "__main__":

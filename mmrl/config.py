@@ -27,7 +27,7 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    policy: str = "flow"          # policy registry key (mmrl.policy.POLICIES): flow | vlm
+    policy: str = "flow"          # policy registry key (mmrl.policy.POLICIES): flow | token (alias vlm) | pkg.mod:build
     path: str = "tasks/assets/shapes-base"  # diffusers SD3 / FLUX / Wan pipeline folder or mmrl pixel-model folder
     dtype: str = "float32"        # float32 | bfloat16 (transformer weights; the SDE math is always fp32)
     device: str = "auto"          # auto = cuda if available else cpu
@@ -46,7 +46,7 @@ class ModelConfig:
 
 @dataclass
 class SamplerConfig:
-    kind: str = "flow_grpo"       # flow_grpo | dance | cps (ALGORITHMS.md 1); ode is evaluation only
+    kind: str = "flow_grpo"       # flow_grpo | dance | cps (docs/algorithms.md §1); ode is evaluation only
     num_steps: int = 10           # training-time denoising steps (Flow-GRPO: ~10 for training)
     noise_level: float = 0.7      # a: 0.7 SD3 (Flow-GRPO), 0.9 FLUX; DanceGRPO eta 0.3; CPS a
     cfg_scale: float = 4.0        # CFG in sampling AND in the log-prob recomputation (same scale)
@@ -69,7 +69,7 @@ class SamplerConfig:
 
 @dataclass
 class TreeConfig:
-    """BranchGRPO tree rollouts for flow policies (mmrl/rollout/tree.py; ALGORITHMS.md 3); off while split_steps
+    """BranchGRPO tree rollouts for flow policies (mmrl/rollout/tree.py; docs/algorithms.md §3); off while split_steps
     is empty. With sampler.sde_window_size > 0 it is BranchGRPO-Mix: SDE on that window (drawn as for the
     chain) and on the split steps, ODE elsewhere, only SDE edges trained."""
     split_steps: list[int] = field(default_factory=list)  # every path branches here, e.g. [0, 3, 6, 9] of 20 steps
@@ -144,6 +144,7 @@ class AlgoConfig:
     sft_coef: float = 0.0         # > 0: add sft_coef x the NLL of the injected rows to their loss (supervised anchor)
     dynamic_sampling: bool = False  # DAPO: resample prompts whose group has zero reward std
     dynamic_sampling_tries: int = 3  # extra sampling rounds at most per iteration
+    credit: str = "auto"          # CREDIT_ASSIGNMENTS key: group | tree | pkg.mod:fn; auto = tree when tree.split_steps
 
 
 @dataclass
@@ -198,28 +199,9 @@ class Config:
     tree: TreeConfig = field(default_factory=TreeConfig)
 
     def validate(self) -> "Config":
-        """Check values and registry keys; raise ValueError naming the key and the fix."""
-        from mmrl.algorithms import (ADVANTAGES, KL_ESTIMATORS, LOSS_AGG, OFFPOLICY, POLICY_LOSSES, RATIO_TRANSFORMS,
-                                     REWARD_AGGREGATIONS, REWARD_SHAPINGS, WEIGHTINGS)
-        from mmrl.policy import POLICIES
-        from mmrl.reward import REWARDS
-        from mmrl.task import TASKS
-
-        POLICIES.check(self.model.policy, "model.policy")
-        TASKS.check(self.task.name, "task.name")
-        REWARDS.check(self.reward.name, "reward.name")
-        ADVANTAGES.check(self.algo.advantage, "algo.advantage")
-        POLICY_LOSSES.check(self.algo.policy_loss, "algo.policy_loss")
-        LOSS_AGG.check(self.algo.loss_agg, "algo.loss_agg")
-        KL_ESTIMATORS.check(self.algo.kl, "algo.kl")
-        for name in self.algo.weighting.split("+"):
-            WEIGHTINGS.check(name, "algo.weighting")
-        RATIO_TRANSFORMS.check(self.algo.ratio, "algo.ratio")
-        REWARD_SHAPINGS.check(self.algo.reward_shaping, "algo.reward_shaping")
-        REWARD_AGGREGATIONS.check(self.algo.reward_aggregation, "algo.reward_aggregation")
-        if self.reward.eval_name:
-            REWARDS.check(self.reward.eval_name, "reward.eval_name")
-        elif self.reward.name == "pairwise":
+        """Check values and their combinations; raise ValueError naming the key and the fix. Registry names
+        (policy, task, reward, algorithm pieces) are checked where they are resolved: mmrl.compose.check_choices."""
+        if self.reward.name == "pairwise" and not self.reward.eval_name:
             raise ValueError("reward.name=pairwise scores samples only against their group: set reward.eval_name "
                              "(e.g. shapes) for the held-out evaluation")
         if self.algo.reward_aggregation == "gdpo":
@@ -235,11 +217,8 @@ class Config:
             raise ValueError("reward.workers must be >= 0 and reward.overlap_chunks >= 1")
         if self.reward.workers and self.tree.split_steps:
             raise ValueError("tree rollouts sample each prompt's tree in one pass: set reward.workers=0")
-        OFFPOLICY.check(self.algo.offpolicy, "algo.offpolicy")
         _choice("video.backend", self.video.backend, ("decord", "torchcodec"))
         _choice("video.on_error", self.video.on_error, ("raise", "skip"))
-        _choice("sampler.kind", self.sampler.kind, ("flow_grpo", "dance", "cps"))
-        _choice("sampler.engine", self.sampler.engine, ("prefix_cache", "hf", "vllm"))
         if len(self.sampler.sde_window_range) != 2:
             raise ValueError(f"sampler.sde_window_range must be [lo, hi) window starts, e.g. [0, 4]; got "
                              f"{self.sampler.sde_window_range}")
@@ -267,10 +246,10 @@ class Config:
                              f"model.lora (the adapter is fp32, the frozen base stays {self.model.dtype})")
         if t.micro_batch < 0:
             raise ValueError(f"train.micro_batch must be >= 0 (0 = no split), got {t.micro_batch}")
-        if t.micro_batch and self.algo.ratio == "gspo" and self.model.policy == "flow":
+        if t.micro_batch and self.algo.ratio == "gspo" and policy_kind(self.model.policy) == "flow":
             raise ValueError("algo.ratio=gspo averages a sample's actions, which train.micro_batch splits for flow "
                              "policies: set train.micro_batch=0 or algo.ratio=none")
-        if t.micro_batch and t.parallel == "fsdp" and self.model.policy != "flow":
+        if t.micro_batch and t.parallel == "fsdp" and policy_kind(self.model.policy) != "flow":
             raise ValueError("train.micro_batch with train.parallel=fsdp would give ranks different numbers of "
                              "generation forwards for token policies: set train.micro_batch=0")
         if not 0 <= t.ema_decay < 1:
@@ -305,24 +284,23 @@ class Config:
 
     def _check_policy_keys(self) -> None:
         """Reject keys the chosen policy never reads (changed from their defaults), naming the fix."""
-        other = self.TOKEN_ONLY if self.model.policy == "flow" else self.FLOW_ONLY
+        kind = policy_kind(self.model.policy)
+        if kind is None:  # a user's own policy: it reads what it reads
+            return
+        other = self.TOKEN_ONLY if kind == "flow" else self.FLOW_ONLY
         for section, keys in other.items():
             default = type(getattr(self, section))()
             for k in keys:
                 if getattr(getattr(self, section), k) != getattr(default, k):
                     raise ValueError(f"{section}.{k} does not apply to model.policy={self.model.policy}: remove it "
-                                     f"(it is read by {'token' if self.model.policy == 'flow' else 'flow'} policies only)")
+                                     f"(it is read by {'token' if kind == 'flow' else 'flow'} policies only)")
 
     def _validate_tree(self) -> None:
         tr = self.tree
-        _choice("tree.fusion", tr.fusion, ("mean", "softmax"))
         _choice("tree.width_prune", tr.width_prune, (0, 1, 2))
         if not tr.split_steps:
             return
-        from mmrl.rollout.tree import split_schedule
-
-        split_schedule(self.sampler.num_steps, tr.split_steps)
-        if self.model.policy != "flow":
+        if policy_kind(self.model.policy) != "flow":
             raise ValueError("tree.split_steps (BranchGRPO) needs model.policy=flow")
         leaves = tr.branch ** len(tr.split_steps)
         if tr.branch < 2 or self.train.group_size != leaves:
@@ -333,6 +311,11 @@ class Config:
                              "(the mean over transitions, as BranchGRPO)")
         if not 0 < tr.width_ratio <= 1:
             raise ValueError(f"tree.width_ratio must be in (0, 1], got {tr.width_ratio}")
+
+
+def policy_kind(name: str) -> str | None:
+    """"flow" | "token" for the built-in policies (model.policy), None for a user's own (package.module:Name)."""
+    return {"flow": "flow", "token": "token", "vlm": "token"}.get(name)
 
 
 def _choice(key: str, value: Any, valid: tuple) -> None:

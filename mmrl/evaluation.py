@@ -38,6 +38,17 @@ def evaluate_outputs(generate: Callable[[list[dict], int], object], examples: li
     return out
 
 
+def evaluate_generator(model, examples: list[dict], reward: Callable, seed: int = 0, num_steps: int = 16,
+                       cfg_scale: float = 1.0, batch_size: int = 64, progress: bool = True) -> dict:
+    """evaluate_outputs of a FlowModel's ODE samples (`model.generate`): example i uses noise seed seed + i."""
+
+    def generate(chunk, first_seed):
+        return model.generate([ex["prompt"] for ex in chunk], [first_seed + j for j in range(len(chunk))],
+                              num_steps, cfg_scale)
+
+    return evaluate_outputs(generate, examples, reward, seed, batch_size, progress)
+
+
 def flow_bench_main(argv, doc: str, default_n: int, quick_n: int, balanced_prompts: Callable, evaluate: Callable,
                     describe: Callable[[dict], str]) -> None:
     """The command line of an embedded flow world's benchmark script (scripts/bench_shapes.py, bench_motion.py):

@@ -1,14 +1,32 @@
-"""One small registry per axis of variation. A config names a key; an unknown key errors with the valid ones."""
+"""One small registry per axis of variation. A config names a key; an unknown key errors with the valid ones.
+
+An entry is an object, or a lazy `"package.module:Name"` string imported on first use (built-in plugins are
+registered this way, so the core never imports them). Any name containing ":" that is not registered is
+resolved the same way: `reward.name: my_rewards:BrightnessReward` in YAML uses a class from the user's own
+file (on PYTHONPATH, or next to the working directory) without editing mmrl.
+"""
 
 from __future__ import annotations
 
 import difflib
-from typing import Callable
+import importlib
+from typing import Any, Callable
+
+
+def import_path(path: str) -> Any:
+    """`"package.module:Name"` (or `"package.module:Outer.Inner"`) -> the object."""
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise ValueError(f"{path!r} is not an import path; write package.module:Name")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 class Registry(dict):
-    def __init__(self, axis: str):
-        super().__init__()
+    def __init__(self, axis: str, entries: dict[str, Any] | None = None):
+        super().__init__(entries or {})
         self.axis = axis
 
     def register(self, name: str) -> Callable:
@@ -20,14 +38,35 @@ class Registry(dict):
 
         return deco
 
-    def __missing__(self, name):
+    def __getitem__(self, name):
+        if name in self:
+            entry = super().__getitem__(name)
+            if isinstance(entry, str):  # lazy built-in: import once, then keep the object
+                entry = import_path(entry)
+                self[name] = entry
+            return entry
+        if isinstance(name, str) and ":" in name:  # a user's own plugin
+            try:
+                return import_path(name)
+            except (ImportError, AttributeError) as e:
+                raise KeyError(f"{self.axis} {name!r} could not be imported ({type(e).__name__}: {e}); put its "
+                               f"module on PYTHONPATH (or in the working directory)") from e
         close = difflib.get_close_matches(str(name), list(self), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise KeyError(f"unknown {self.axis} {name!r}; valid: {sorted(self)}.{hint}")
+        raise KeyError(f"unknown {self.axis} {name!r}; valid: {sorted(self)} or a package.module:Name path.{hint}")
+
+    def get(self, name, default=None):
+        try:
+            return self[name]
+        except KeyError:
+            return default
 
     def check(self, name: str, where: str) -> None:
-        """Raise ValueError naming the config key `where` and the valid choices if `name` is unknown."""
-        if name not in self:
-            close = difflib.get_close_matches(str(name), list(self), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"{where}: unknown {self.axis} {name!r}; valid: {sorted(self)}.{hint}")
+        """Raise ValueError naming the config key `where` and the valid choices if `name` cannot be resolved
+        (a registered name is accepted without importing it; an import path is imported)."""
+        if name in self:
+            return
+        try:
+            self[name]
+        except KeyError as e:
+            raise ValueError(f"{where}: {e.args[0]}") from None

@@ -1,7 +1,9 @@
 """Rewards: the interface, the registry, and the runner that isolates failing samples.
 
 A reward is a callable `(outputs, examples) -> dict[str, Tensor[N]]` with an "overall" key; other keys are
-components, logged as `reward/<key>`. Registry: REWARDS maps a name to a factory `(**kwargs) -> reward`.
+components, logged as `reward/<key>`. Registry: REWARDS maps a name to a factory `(**kwargs) -> reward`;
+built-ins (rewards/) are imported on first use, and `reward.name: my_rewards:MyReward` uses a class from the
+user's own file. A reward that wraps another takes it built (mmrl/compose.py builds it from the config).
 A reward with `needs_groups = True` (pairwise win rates, mmrl/rollout/pairwise.py) is called with the rollout's
 `group_id` as a third argument. MultiReward sums several rewards with weights; the trainer's
 `algo.reward_aggregation` decides whether advantages come from that sum or per component (GDPO).
@@ -10,143 +12,56 @@ A reward with `needs_groups = True` (pairwise win rates, mmrl/rollout/pairwise.p
 from __future__ import annotations
 
 import logging
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
 from mmrl.registry import Registry
 
 log = logging.getLogger(__name__)
-REWARDS = Registry("reward")
+# name -> factory `(**reward.kwargs) -> reward`; built-ins are imported on first use
+REWARDS = Registry("reward", {
+    "shapes": "rewards.shapes:ShapesReward",
+    "motion": "rewards.motion:MotionReward",
+    "grounding": "rewards.grounding:GroundingReward",
+    "arithmetic": "rewards.arithmetic:ArithmeticReward",
+    "clip_score": "rewards.clip_models:CLIPScore",
+    "pickscore": "rewards.clip_models:PickScore",
+    "hpsv2": "rewards.clip_models:HPSv2",
+    "aesthetic": "rewards.clip_models:Aesthetic",
+    "image_reward": "rewards.image_reward:ImageReward",
+    "ocr": "rewards.ocr:OCRReward",
+    "video_frames": "rewards.video:FrameReward",
+    "temporal_consistency": "rewards.video:TemporalConsistency",
+    "pairwise": "mmrl.rollout.pairwise:PairwiseReward",
+    "multi": "mmrl.reward:MultiReward",
+    "remote": "mmrl.reward_server:RemoteReward",
+})
 
 
+@runtime_checkable
 class Reward(Protocol):
+    """What the trainer calls. Optional attributes: `needs_groups` (called with group_id as a third argument),
+    `per_sample_retry = False` (never re-scored sample by sample), `weights` ({component: w}, read by GDPO)."""
+
     def __call__(self, outputs, examples: list[dict]) -> dict[str, torch.Tensor]: ...
 
 
-@REWARDS.register("shapes")
-def _shapes(**kwargs):
-    from rewards.shapes import ShapesReward
-
-    return ShapesReward(**kwargs)
-
-
-@REWARDS.register("motion")
-def _motion(**kwargs):
-    from rewards.motion import MotionReward
-
-    return MotionReward(**kwargs)
-
-
-@REWARDS.register("grounding")
-def _grounding(**kwargs):
-    from rewards.grounding import GroundingReward
-
-    return GroundingReward(**kwargs)
-
-
-@REWARDS.register("arithmetic")
-def _arithmetic(**kwargs):
-    from rewards.arithmetic import ArithmeticReward
-
-    return ArithmeticReward(**kwargs)
-
-
-@REWARDS.register("clip_score")
-def _clip_score(**kwargs):
-    from rewards.clip_models import CLIPScore
-
-    return CLIPScore(**kwargs)
-
-
-@REWARDS.register("pickscore")
-def _pickscore(**kwargs):
-    from rewards.clip_models import PickScore
-
-    return PickScore(**kwargs)
-
-
-@REWARDS.register("hpsv2")
-def _hpsv2(**kwargs):
-    from rewards.clip_models import HPSv2
-
-    return HPSv2(**kwargs)
-
-
-@REWARDS.register("aesthetic")
-def _aesthetic(**kwargs):
-    from rewards.clip_models import Aesthetic
-
-    return Aesthetic(**kwargs)
-
-
-@REWARDS.register("image_reward")
-def _image_reward(**kwargs):
-    from rewards.image_reward import ImageReward
-
-    return ImageReward(**kwargs)
-
-
-@REWARDS.register("ocr")
-def _ocr(**kwargs):
-    from rewards.ocr import OCRReward
-
-    return OCRReward(**kwargs)
-
-
-@REWARDS.register("video_frames")
-def _video_frames(**kwargs):
-    from rewards.video import FrameReward
-
-    return FrameReward(**kwargs)
-
-
-@REWARDS.register("temporal_consistency")
-def _temporal(**kwargs):
-    from rewards.video import TemporalConsistency
-
-    return TemporalConsistency(**kwargs)
-
-
-@REWARDS.register("pairwise")
-def _pairwise(judge: str = "score", judge_kwargs: dict | None = None, batch_size: int = 64, symmetric: bool = False):
-    from mmrl.rollout.pairwise import JUDGES, PairwiseReward
-
-    return PairwiseReward(JUDGES[judge](**(judge_kwargs or {})), batch_size, symmetric)
-
-
-@REWARDS.register("multi")
-def _multi(components: dict | None = None):
-    return MultiReward(components or {})
-
-
-@REWARDS.register("remote")
-def _remote(**kwargs):
-    from mmrl.reward_server import RemoteReward
-
-    return RemoteReward(**kwargs)
-
-
 class MultiReward:
-    """Several rewards at once: components = {label: {"name": REWARDS key (default: label), "weight": w,
-    "kwargs": {...}}}. Returns "overall" = sum_k w_k * r_k, each component's overall as "<label>" and its own
+    """Several rewards at once. In the config: reward.kwargs.components = {label: {"name": REWARDS key (default:
+    the label), "weight": w, "kwargs": {...}}}; mmrl.compose builds each and passes {label: {"reward": object,
+    "weight": w}} here. Returns "overall" = sum_k w_k * r_k, each component's overall as "<label>" and its own
     components as "<label>/<key>". `weights` ({label: w}) is what GDPO aggregation (algo.reward_aggregation)
     reads. A component that needs groups makes the whole reward need them."""
 
     def __init__(self, components: dict):
         if not components:
             raise ValueError("reward.name=multi needs reward.kwargs.components: {label: {name:, weight:, kwargs:}}")
-        self.rewards, self.weights = {}, {}
-        for label, spec in components.items():
-            spec = dict(spec or {})
-            unknown = set(spec) - {"name", "weight", "kwargs"}
-            if unknown:
-                raise ValueError(f"reward.kwargs.components.{label}: unknown keys {sorted(unknown)}; "
-                                 f"valid: name, weight, kwargs")
+        for label in components:
             if "/" in label:
                 raise ValueError(f"reward component label {label!r} must not contain '/'")
-            self.rewards[label] = REWARDS[spec.get("name", label)](**spec.get("kwargs", {}))
-            self.weights[label] = float(spec.get("weight", 1.0))
+        self.rewards = {label: c["reward"] for label, c in components.items()}
+        self.weights = {label: float(c.get("weight", 1.0)) for label, c in components.items()}
         self.needs_groups = any(getattr(r, "needs_groups", False) for r in self.rewards.values())
 
     def __call__(self, outputs, examples, group_id=None) -> dict[str, torch.Tensor]:

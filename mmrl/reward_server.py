@@ -252,9 +252,9 @@ class RemoteReward:
 
 
 def serve_main(args) -> int:
-    from mmrl.reward import REWARDS
+    from mmrl.compose import build_reward
 
-    reward = REWARDS[args.name](**json.loads(args.kwargs))
+    reward = build_reward(args.name, json.loads(args.kwargs))
     server = RewardServer(reward, args.name, args.host, args.port, args.max_batch, args.max_wait_ms, args.queue,
                           args.request_timeout)
     if args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -23,8 +23,9 @@ import torch
 from tqdm import tqdm
 
 from mmrl import checkpoint as ckpt
-from mmrl.algorithms import (ADVANTAGES, KL_ESTIMATORS, LOSS_AGG, OFFPOLICY, POLICY_LOSSES, RATIO_TRANSFORMS,
-                             REWARD_AGGREGATIONS, REWARD_SHAPINGS, WEIGHTINGS)
+from mmrl import compose
+from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS_AGG, OFFPOLICY, POLICY_LOSSES,
+                             RATIO_TRANSFORMS, REWARD_SHAPINGS, WEIGHTINGS)
 from mmrl.algorithms.advantages import group_stats
 from mmrl.algorithms.offpolicy import injection_diagnostics
 from mmrl.config import Config
@@ -32,33 +33,32 @@ from mmrl.data import Rollout
 from mmrl.distributed import Distributed, full
 from mmrl.evaluation import evaluate_outputs
 from mmrl.metrics import Logger, Timer
-from mmrl.policy import POLICIES
-from mmrl.reward import REWARDS, RewardRunner
-from mmrl.rollout.tree import tree_advantages
-from mmrl.task import build_task
+from mmrl.reward import RewardRunner
 
 log = logging.getLogger(__name__)
 
 
 class Trainer:
     def __init__(self, cfg: Config):
-        self.cfg = cfg
+        self.cfg = compose.check_choices(cfg)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.dist = Distributed(cfg.train.parallel)
         torch.manual_seed(cfg.train.seed)  # the same initial weights (and LoRA init) on every rank
-        self.policy = POLICIES[cfg.model.policy](cfg)
+        self.policy = compose.build_policy(cfg)
         if cfg.train.gradient_checkpointing:
             self.policy.enable_gradient_checkpointing()
         if self.dist.world > 1:
             self._check_parallel_config()
             self.policy.parallelize(lambda m: self.dist.wrap(m, cfg.train.mixed_precision), cfg.train.parallel)
         with self.dist.main_first():  # a task that writes its data (the grounding world) does it once
-            self.task = build_task(cfg.task)
-        self.reward_fn = REWARDS[cfg.reward.name](**cfg.reward.kwargs)
+            self.task = compose.build_task(cfg.task)
+        self.reward_fn = compose.build_reward(cfg.reward.name, cfg.reward.kwargs)
         self.reward = RewardRunner(self.reward_fn, cfg.reward.on_error, cfg.train.micro_batch)
         self.eval_reward = self.reward if not cfg.reward.eval_name else RewardRunner(
-            REWARDS[cfg.reward.eval_name](**cfg.reward.eval_kwargs), cfg.reward.on_error, cfg.train.micro_batch)
+            compose.build_reward(cfg.reward.eval_name, cfg.reward.eval_kwargs, "reward.eval"), cfg.reward.on_error,
+            cfg.train.micro_batch)
+        self.credit = CREDIT_ASSIGNMENTS[compose.credit_name(cfg)]
         self.reward_pool = ThreadPoolExecutor(cfg.reward.workers, "reward") if cfg.reward.workers else None
         self.params = list(self.policy.trainable_parameters())
         if not self.params:
@@ -124,13 +124,9 @@ class Trainer:
         if self.dist.world > 1:  # advantages need whole groups: every rank sees every row's reward
             rollout, rewards, valid, self._local_rows, self._row_actions = self.dist.gather_rows(rollout, rewards, valid)
         shaped = REWARD_SHAPINGS[a.reward_shaping](rewards["overall"], a)
+        adv, adv_stats = self.credit({**rewards, "overall": shaped}, getattr(self.reward_fn, "weights", None), rollout,
+                                     valid, cfg, it)  # [N] or [N, A] (tree rollouts: per transition)
         adv_fn = lambda r, g, v: ADVANTAGES[a.advantage](r, g, v, a)[0]  # noqa: E731
-        adv, adv_stats = REWARD_AGGREGATIONS[a.reward_aggregation]({**rewards, "overall": shaped},
-                                                                   getattr(self.reward_fn, "weights", None),
-                                                                   rollout.group_id, valid, a, ADVANTAGES[a.advantage])
-        if "tree_node" in rollout.extras:  # BranchGRPO: per-transition advantages [N, A] and the trained mask
-            adv, tree_stats = tree_advantages(shaped, rollout, valid, cfg, ADVANTAGES[a.advantage], it)
-            adv_stats.update(tree_stats)
         self._check_signal(valid, adv)
         rollout.action_mask &= valid.unsqueeze(-1)
         metrics.update({f"reward/{k}_mean": v[valid].mean().item() if valid.any() else 0.0 for k, v in rewards.items()})

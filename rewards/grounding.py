@@ -1,4 +1,4 @@
-"""Temporal-grounding rewards and metrics (ALGORITHMS.md section 7; Time-R1 lineage, TempSamp-R1).
+"""Temporal-grounding rewards and metrics (docs/algorithms.md §7; Time-R1 lineage, TempSamp-R1).
 
 The model answers `<think>...</think><answer>S to E</answer>` in seconds. `parse_answer` never raises: any
 string maps to an interval or to None (unparseable), and None scores 0 everywhere.

@@ -1,7 +1,7 @@
 """Video rewards from image rewards: per-frame scoring with an aggregate, and temporal consistency.
 
 Videos are [N, 3, F, H, W] in [-1, 1] (the flow policy's video outputs).
-- FrameReward: any image reward (REWARDS key) on every frame (or every `stride`-th), aggregated per video by
+- FrameReward: any image reward (config: a REWARDS key and its reward_kwargs) on every frame (or every `stride`-th), aggregated per video by
   mean or min; each of the image reward's keys is aggregated the same way.
 - TemporalConsistency: the mean cosine similarity of consecutive frames' embeddings, in [-1, 1]: CLIP image
   embeddings (`embed: clip`, any open_clip model and checkpoint) or the flattened pixels centered per frame
@@ -23,12 +23,11 @@ def frames_of(videos: torch.Tensor, stride: int = 1) -> torch.Tensor:
 
 
 class FrameReward:
-    def __init__(self, reward: str = "clip_score", reward_kwargs: dict | None = None, agg: str = "mean", stride: int = 1):
-        from mmrl.reward import REWARDS
-
+    def __init__(self, reward="clip_score", agg: str = "mean", stride: int = 1):
+        """reward: the image reward, built by mmrl.compose from the config's `reward` name and `reward_kwargs`."""
         if agg not in ("mean", "min"):
             raise ValueError(f"FrameReward agg={agg!r}; valid: mean, min")
-        self.image_reward, self.agg, self.stride = REWARDS[reward](**(reward_kwargs or {})), agg, stride
+        self.image_reward, self.agg, self.stride = reward, agg, stride
 
     def __call__(self, videos: torch.Tensor, examples) -> dict[str, torch.Tensor]:
         fr = frames_of(videos, self.stride)  # [N, F', 3, H, W]

@@ -51,9 +51,9 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     from mmrl.policy.vlm import load_token_policy
-    from mmrl.task import GROUNDING_PROMPT
+    from tasks.grounding import GROUNDING_PROMPT
     from mmrl.video import VideoOptions
-    from tasks import grounding_eval
+    from tasks import grounding as grounding_eval
     from tasks.grounding_data import load_dataset
 
     missing = "skip" if args.skip_broken else "raise"

@@ -1,4 +1,4 @@
-"""Illusory advantage (Pref-GRPO, ALGORITHMS.md section 6) measured on the shapes world.
+"""Illusory advantage (Pref-GRPO, docs/algorithms.md §6) measured on the shapes world.
 
     python scripts/bench_pairwise.py --threads 2         # 64 prompts x 8 images from the committed base
     python scripts/bench_pairwise.py --quick             # 8 prompts
@@ -47,15 +47,13 @@ def main(argv=None):
     import random
 
     from mmrl.algorithms.advantages import ADVANTAGES
-    from mmrl.config import load_config
-    from mmrl.policy import POLICIES
+    from mmrl.compose import build_policy, build_task, load_config
     from mmrl.reward import REWARDS
     from mmrl.rollout.pairwise import PairwiseReward, ScoreJudge
-    from mmrl.task import build_task
 
     cfg = load_config(os.path.join(ROOT, "configs/t2i/shapes_grpo.yaml"), [f"model.path={args.model}",
                                                                            f"sampler.noise_level={args.noise_level}"])
-    policy, task = POLICIES["flow"](cfg), build_task(cfg.task)
+    policy, task = build_policy(cfg), build_task(cfg.task)
     n = 8 if args.quick else args.prompts
     t0 = time.time()
     with torch.no_grad():

@@ -37,7 +37,7 @@ def variants(steps: int, splits: list[int], mix_window: int, width_ratio: float,
 
 
 def run_variant(items: list[str], iters: int, warmup: int, out_dir: str) -> dict:
-    from mmrl.config import load_config
+    from mmrl.compose import load_config
     from mmrl.trainer import Trainer
 
     cfg = load_config(os.path.join(ROOT, "configs/t2i/shapes_grpo.yaml"), items + [f"log.out_dir={out_dir}"])

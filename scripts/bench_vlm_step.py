@@ -114,7 +114,7 @@ def run_trl(model_dir: str, args, imgs) -> tuple[list[float], float]:
 def run_mmrl(model_dir: str, args, imgs) -> tuple[list[float], float]:
     import torch
 
-    from mmrl.config import load_config
+    from mmrl.compose import load_config
     from mmrl.reward import REWARDS
     from mmrl.task import TASKS
     from mmrl.trainer import Trainer

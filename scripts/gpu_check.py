@@ -71,7 +71,7 @@ def build_models(tmp: str) -> dict[str, list[str]]:
 def one_iteration(config: str, overrides: list[str], device: str, out_dir: str) -> dict:
     import torch
 
-    from mmrl.config import load_config
+    from mmrl.compose import load_config
     from mmrl.testing.memory import reset_peak, rss_kib
     from mmrl.trainer import Trainer
 

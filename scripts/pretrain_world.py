@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mmrl.checkpoint import atomic_dir
 from mmrl.models.pipelines import sd3_call, wan_call, wan_coord_call
 from mmrl.models.pixel_t2i import build_pipeline_parts, save_pipeline_parts
-from mmrl.policy.flow_model import FlowModel, make_clip_encoder, velocity_from_prediction
+from mmrl.models.flow_model import FlowModel, velocity_from_prediction
+from mmrl.models.pipelines import make_clip_encoder
 
 
 class World:
@@ -62,10 +63,9 @@ class World:
         return [p.text for p in ps], x0
 
     def evaluate(self, model: FlowModel, n: int) -> dict:
-        if self.frames:
-            return self.mod.evaluate(model, self.mod.balanced_prompts("heldout", n, seed=1234), seed=0, progress=False)
-        from tasks.shapes_eval import evaluate
+        from tasks import motion_eval, shapes_eval
 
+        evaluate = (motion_eval if self.frames else shapes_eval).evaluate
         return evaluate(model, self.mod.balanced_prompts("heldout", n, seed=1234), seed=0, progress=False)
 
 
@@ -186,7 +186,7 @@ def init_from(parts: dict, path: str) -> None:
     computes exactly what the base computed until training moves them."""
     from transformers import CLIPTextModelWithProjection, PreTrainedTokenizerFast
 
-    from mmrl.policy.flow_model import load_flow_model
+    from mmrl.models.pipelines import load_flow_model
 
     parts["tokenizer"] = PreTrainedTokenizerFast.from_pretrained(os.path.join(path, "tokenizer"))
     parts["text_encoder"] = CLIPTextModelWithProjection.from_pretrained(os.path.join(path, "text_encoder"))

@@ -84,8 +84,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     from mmrl.config import TaskConfig
-    from mmrl.task import GroundingWorldTask
-    from tasks import grounding_eval
+    from tasks.grounding import GroundingWorldTask
+    from tasks import grounding as grounding_eval
 
     task = GroundingWorldTask(TaskConfig(eval_prompts=args.eval_n), root=args.world,
                               train_videos=args.train_videos, test_videos=args.test_videos)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import random
 
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 PROMPT = "What is {a} {op} {b}? Reply with only the number."
@@ -37,3 +38,21 @@ def problems(split: str, lo: int = 10, hi: int = 99, ops: str = "+-", prompt: st
                 if split_of(f"{a}{op}{b}") == split:
                     out.append({"prompt": text, "answer": OPS[op](a, b), "a": a, "op": op, "b": b})
     return out
+
+
+class ArithmeticTask:
+    """Integer arithmetic questions with exact answers (task.name=arithmetic): train and held-out problems are
+    disjoint. kwargs: lo, hi (operand range), ops (e.g. "+-"), prompt (template with {a} {op} {b})."""
+
+    def __init__(self, cfg, lo: int = 10, hi: int = 99, ops: str = "+-", prompt: str | None = None):
+        kw = dict(lo=lo, hi=hi, ops=ops, prompt=prompt or PROMPT)
+        self.train = problems("train", **kw)
+        heldout = problems("heldout", **kw)
+        random.Random(1234).shuffle(heldout)
+        self.eval = heldout[:cfg.eval_prompts]
+
+    def sample(self, n, rng):
+        return [self.train[rng.randrange(len(self.train))] for _ in range(n)]
+
+    def eval_examples(self):
+        return self.eval

@@ -1,4 +1,4 @@
-"""Temporal-grounding datasets read as they are distributed (ALGORITHMS.md section 8).
+"""Temporal-grounding datasets read as they are distributed (docs/algorithms.md §8).
 
 Every reader returns examples as dicts:
 

@@ -108,17 +108,16 @@ def render(spec: MotionSpec, frames: int = FRAMES, size: int = SIZE, rng: random
     return torch.stack(clip, 1)
 
 
-def evaluate(model, prompts: list[Prompt], seed: int = 0, num_steps: int = 16, cfg_scale: float = 1.0,
-             batch_size: int = 32, progress: bool = True) -> dict:
-    """Motion accuracy (and the reward's components) of a FlowModel on `prompts`, per direction; sample i uses
-    noise seed seed + i (ODE sampling)."""
-    from mmrl.evaluation import evaluate_outputs
-    from rewards.motion import MotionReward
+class MotionTask:
+    """The motion world as a task (task.name=motion): trains on one split of texts, evaluates on
+    the other, the four directions equally represented (the example category is the direction)."""
 
-    examples = [{"prompt": p.text, "category": p.spec.direction} for p in prompts]
+    def __init__(self, cfg):
+        self.train = prompts(cfg.split)
+        self.eval = balanced_prompts(cfg.eval_split, cfg.eval_prompts, seed=1234)
 
-    def generate(chunk, first_seed):
-        return model.generate([ex["prompt"] for ex in chunk], [first_seed + j for j in range(len(chunk))],
-                              num_steps, cfg_scale)
+    def sample(self, n, rng):
+        return [{"prompt": p.text, "category": p.spec.direction} for p in (rng.choice(self.train) for _ in range(n))]
 
-    return evaluate_outputs(generate, examples, MotionReward(), seed, batch_size, progress)
+    def eval_examples(self):
+        return [{"prompt": p.text, "category": p.spec.direction} for p in self.eval]

@@ -213,3 +213,30 @@ def to_uint8(x) -> np.ndarray:
     """Tensor [3, H, W] (or [N, 3, H, W]) in [-1, 1] -> uint8 array [H, W, 3] (or [N, H, W, 3])."""
     arr = ((x.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     return arr.movedim(-3, -1).cpu().numpy()
+
+
+class ShapesTask:
+    """The shapes world as a task (task.name=shapes): trains on one split of texts, evaluates on another.
+
+    kwargs: balanced (default True) draws each training prompt's category uniformly, then a text of it; the
+    texts themselves are far from balanced (3/4 of them are color attribution), like the benchmark is."""
+
+    def __init__(self, cfg, balanced: bool = True):
+        self.train = prompts(cfg.split)
+        self.by_category: dict[str, list] = {}
+        for p in self.train:
+            self.by_category.setdefault(p.spec.category, []).append(p)
+        self.categories = sorted(self.by_category) if balanced else []
+        self.eval = balanced_prompts(cfg.eval_split, cfg.eval_prompts, seed=1234)
+
+    def _draw(self, rng):
+        if self.categories:
+            texts = self.by_category[self.categories[rng.randrange(len(self.categories))]]
+            return texts[rng.randrange(len(texts))]
+        return self.train[rng.randrange(len(self.train))]
+
+    def sample(self, n, rng):
+        return [{"prompt": p.text, "category": p.spec.category} for p in (self._draw(rng) for _ in range(n))]
+
+    def eval_examples(self):
+        return [{"prompt": p.text, "category": p.spec.category} for p in self.eval]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from mmrl.evaluation import evaluate_outputs
+from mmrl.evaluation import evaluate_generator
 from rewards.shapes import ShapesReward
 from tasks.shapes import Prompt
 
 
-# The benchmark protocol: 16 ODE steps without guidance (the small bases score best at CFG 1-2; see README).
+# The benchmark protocol: 16 ODE steps without guidance (the small bases score best at CFG 1-2; see the docs).
 EVAL_STEPS, EVAL_CFG = 16, 1.0
 
 
@@ -15,9 +15,4 @@ def evaluate(model, prompts: list[Prompt], seed: int = 0, num_steps: int = EVAL_
              batch_size: int = 64, progress: bool = True) -> dict:
     """Strict and partial accuracy of `model` (a FlowModel) on `prompts`; sample i uses noise seed seed + i."""
     examples = [{"prompt": p.text, "category": p.spec.category} for p in prompts]
-
-    def generate(chunk, first_seed):
-        return model.generate([ex["prompt"] for ex in chunk], [first_seed + j for j in range(len(chunk))],
-                              num_steps, cfg_scale)
-
-    return evaluate_outputs(generate, examples, ShapesReward(), seed, batch_size, progress)
+    return evaluate_generator(model, examples, ShapesReward(), seed, num_steps, cfg_scale, batch_size, progress)

@@ -81,5 +81,5 @@ def test_kl_estimators():
 
 
 def test_registry_error_lists_valid_keys():
-    with pytest.raises(KeyError, match=r"valid: \['dr_grpo', 'grpo'\]. Did you mean 'grpo'"):
+    with pytest.raises(KeyError, match=r"valid: \['dr_grpo', 'grpo'\] or a package.module:Name path. Did you mean 'grpo'"):
         ADVANTAGES["grp"]

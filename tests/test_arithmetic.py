@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmrl.config import TaskConfig
-from mmrl.task import ArithmeticTask
+from tasks.arithmetic import ArithmeticTask
 from rewards.arithmetic import ArithmeticReward, parse_last_int
 from tasks import arithmetic
 

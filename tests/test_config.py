@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from mmrl.config import load_config
+from mmrl.compose import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,12 +55,18 @@ def test_overrides_and_types():
     ("model.lora.target_modules=[1]", r"'model.lora.target_modules\[0\]' expects str, got 1"),
     ("sampler.sde_window_range=5", r"'sampler.sde_window_range' expects a list \(list\[int\]\), got 5"),
     ("sampler.sde_window_range=[0,1,2]", r"sampler.sde_window_range must be \[lo, hi\) window starts"),
-    ("sampler.engine=vlm", r"sampler.engine: invalid value 'vlm'; valid: \['prefix_cache', 'hf', 'vllm'\]"),
+    ("model.policy=token sampler.engine=vlm", r"sampler.engine: invalid value 'vlm'; valid: \['prefix_cache', 'hf', 'vllm'\]"),
     ("sampler.temperature=0.7", r"sampler.temperature does not apply to model.policy=flow: remove it"),
+    ("model.policy=token sampler.num_steps=20", r"sampler.num_steps does not apply to model.policy=token"),
+    ("tree.fusion=max", r"tree.fusion: invalid value 'max'; valid: \['mean', 'softmax'\]"),
+    ("algo.credit=group tree.split_steps=[0,2] train.group_size=4 algo.loss_agg=token_mean",
+     r"algo.credit=group gives one advantage per sample"),
+    ("reward.name=no_such_module:Reward", r"reward.name: reward 'no_such_module:Reward' could not be imported"),
 ])
 def test_bad_config_errors_name_the_fix(override, message):
+    """Every error at load time (mmrl.compose.load_config), before any model is built."""
     with pytest.raises(ValueError, match=message):
-        load_config(None, [override])
+        load_config(None, override.split(" "))
 
 
 def test_missing_config_file():

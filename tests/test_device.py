@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 
-from mmrl.config import load_config
+from mmrl.compose import load_config
 from mmrl.testing.fake_device import DeviceMismatch, fake_accelerator
 from mmrl.trainer import Trainer
 

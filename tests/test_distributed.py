@@ -21,7 +21,7 @@ def run(*args, procs: int = 1):
 
 
 def test_a_row_is_the_same_whichever_process_samples_it(tiny_pixel_model, tmp_path):
-    from mmrl.config import load_config
+    from mmrl.compose import load_config
     from mmrl.policy import POLICIES
 
     cfg = load_config("configs/tiny/flow_smoke.yaml", [f"model.path={tiny_pixel_model}", f"log.out_dir={tmp_path}"])

@@ -1,4 +1,4 @@
-"""GRPO-Guard RatioNorm and gradient reweighting, TempFlow-GRPO noise-aware weights (ALGORITHMS.md 4, 5)."""
+"""GRPO-Guard RatioNorm and gradient reweighting, TempFlow-GRPO noise-aware weights (docs/algorithms.md §4, 5)."""
 
 import pytest
 import torch

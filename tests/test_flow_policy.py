@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mmrl.config import load_config
+from mmrl.compose import load_config
 from mmrl.policy import POLICIES
 
 EXAMPLES = [{"prompt": "a red circle"}, {"prompt": "two squares"}]
@@ -89,7 +89,7 @@ def test_shared_noise_starts_a_group_from_one_noise(tiny_pixel_model, shared):
 
 
 def test_prompts_are_encoded_once_per_text_and_cached(tiny_pixel_model):
-    from mmrl.config import load_config
+    from mmrl.compose import load_config
     from mmrl.policy import POLICIES
 
     pol = POLICIES["flow"](load_config(None, [f"model.path={tiny_pixel_model}", "sampler.num_steps=3",

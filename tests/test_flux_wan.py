@@ -5,7 +5,7 @@ architecture's attention, checkpoints that reload with their options, trees on v
 import pytest
 import torch
 
-from mmrl.config import load_config
+from mmrl.compose import load_config
 from mmrl.metrics import video_strips
 from mmrl.models.pipelines import flux_call
 from mmrl.models.tiny_pipelines import build_tiny_flux_pipeline, build_tiny_wan_pipeline

@@ -82,7 +82,7 @@ def test_load_dataset_finds_videos_and_reports_missing(tmp_path):
 
 def test_world_is_read_as_built_and_never_overwritten_with_other_counts(tmp_path):
     from mmrl.config import TaskConfig
-    from mmrl.task import GroundingWorldTask
+    from tasks.grounding import GroundingWorldTask
     from tasks.grounding_world import build_world
 
     root = str(tmp_path / "world")

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from rewards.grounding import (GroundingReward, format_ok, grounding_metrics, iou_v2, multi_window_iou,
                                parse_answer, tiou)
-from tasks.grounding_eval import constant_baseline
+from tasks.grounding import constant_baseline
 
 
 @pytest.mark.parametrize("text,dur,want", [

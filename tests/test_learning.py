@@ -1,6 +1,6 @@
 """Learning: a known reward rises within a few CPU iterations through the real trainer."""
 
-from mmrl.config import load_config
+from mmrl.compose import load_config
 from mmrl.reward import REWARDS
 from mmrl.trainer import Trainer
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmrl.config import load_config
+from mmrl.compose import load_config
 from mmrl.policy import POLICIES
 from rewards.motion import MotionReward, score
 from tasks import motion as M
@@ -95,7 +95,7 @@ def test_motion_config_smoke_with_video_strips(config, tiny_motion_model, tmp_pa
 
 
 def test_committed_motion_base_loads_and_generates():
-    from mmrl.policy.flow_model import load_flow_model
+    from mmrl.models.pipelines import load_flow_model
 
     model = load_flow_model("tasks/assets/motion-base")
     assert model.latent_shape == (3, M.FRAMES, M.SIZE, M.SIZE)
@@ -110,7 +110,7 @@ def test_coordinate_channels(tmp_path):
 
     from mmrl.models.pipelines import coordinates, wan_call, wan_coord_call
     from mmrl.models.pixel_t2i import build_pipeline_parts, save_pipeline_parts
-    from mmrl.policy.flow_model import load_flow_model
+    from mmrl.models.pipelines import load_flow_model
 
     c = coordinates(torch.zeros(2, 3, 3, 2, 5))                                  # [N, 3, F, H, W]
     assert c.shape == (2, 3, 3, 2, 5)

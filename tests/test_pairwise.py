@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from mmrl.algorithms.advantages import ADVANTAGES, REWARD_AGGREGATIONS
 from mmrl.config import AlgoConfig
+from mmrl.compose import build_reward
 from mmrl.reward import REWARDS, MultiReward, RewardRunner
 from mmrl.rollout.pairwise import PairwiseReward, RuleJudge, ScoreJudge, all_pairs, win_rates
 from rewards.judges import parse_verdict
@@ -150,12 +151,13 @@ def _column(col: int = 0):
 
 
 def test_multi_reward_weighted_sum_and_components():
-    m = MultiReward({"a": {"name": "test_column", "weight": 2.0, "kwargs": {"col": 0}},
-                     "b": {"name": "test_column", "weight": 0.5, "kwargs": {"col": 1}}})
+    m = build_reward("multi", {"components": {"a": {"name": "test_column", "weight": 2.0, "kwargs": {"col": 0}},
+                                              "b": {"name": "test_column", "weight": 0.5, "kwargs": {"col": 1}}}})
+    assert isinstance(m, MultiReward) and m.weights == {"a": 2.0, "b": 0.5}
     out = m(torch.tensor([[1.0, 4.0], [0.0, 2.0]]), [{}, {}])
     assert out["overall"].tolist() == [4.0, 1.0] and out["a"].tolist() == [1.0, 0.0] and out["b"].tolist() == [4.0, 2.0]
     with pytest.raises(ValueError, match="unknown keys"):
-        MultiReward({"a": {"name": "test_column", "wieght": 1}})
+        build_reward("multi", {"components": {"a": {"name": "test_column", "wieght": 1}}})
 
 
 def test_gdpo_by_hand_and_the_sum_contrast():

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from mmrl.config import load_config
+from mmrl.compose import load_config
 from mmrl.plan import plan
 from mmrl.testing.memory import measure
 

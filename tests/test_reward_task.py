@@ -53,7 +53,7 @@ def test_shapes_task_balances_categories_and_keeps_heldout_out():
     from collections import Counter
 
     from mmrl.config import TaskConfig
-    from mmrl.task import ShapesTask
+    from tasks.shapes import ShapesTask
 
     task = ShapesTask(TaskConfig(eval_prompts=60))
     drawn = task.sample(3000, random.Random(0))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from mmrl.compose import build_reward
 from mmrl.reward import REWARDS
 
 open_clip = pytest.importorskip("open_clip")
@@ -218,11 +219,11 @@ def test_frame_reward_aggregates_an_image_reward():
     frame = shapes.to_tensor(shapes.render(p.spec, 24, random.Random(0)))
     video = frame[:, None].repeat(1, 4, 1, 1).unsqueeze(0)  # [1, 3, 4, H, W]: the right image in every frame
     ex = [{"prompt": p.text}]
-    mean = REWARDS["video_frames"](reward="shapes")(video, ex)
+    mean = build_reward("video_frames", {"reward": "shapes"})(video, ex)
     assert mean["strict"][0] == 1.0
     video[0, :, 2] = 0.0  # one gray frame: nothing detected there
-    assert REWARDS["video_frames"](reward="shapes")(video, ex)["strict"][0] == 0.75
-    assert REWARDS["video_frames"](reward="shapes", agg="min")(video, ex)["strict"][0] == 0.0
+    assert build_reward("video_frames", {"reward": "shapes"})(video, ex)["strict"][0] == 0.75
+    assert build_reward("video_frames", {"reward": "shapes", "agg": "min"})(video, ex)["strict"][0] == 0.0
 
 
 def test_temporal_consistency(tiny_clip):
@@ -327,15 +328,15 @@ def zoo_reward(name, device, tiny_clip, tiny_pickscore, tiny_image_reward, tmp_p
                                                         tokenizer=f"{tiny_image_reward[0]}/tok", config=IR_CONFIG,
                                                         device=device),
         "ocr": lambda: REWARDS["ocr"](),
-        "video_frames": lambda: REWARDS["video_frames"](reward="clip_score",
-                                                        reward_kwargs=dict(pretrained=f"{d}/tiny.pt", **clip)),
+        "video_frames": lambda: build_reward("video_frames", {"reward": "clip_score",
+                                                              "reward_kwargs": dict(pretrained=f"{d}/tiny.pt", **clip)}),
         "temporal_consistency": lambda: REWARDS["temporal_consistency"](),
         "temporal_consistency_clip": lambda: REWARDS["temporal_consistency"](embed="clip", pretrained=f"{d}/tiny.pt",
                                                                              **clip),
         "motion": lambda: REWARDS["motion"](),
-        "pairwise": lambda: REWARDS["pairwise"](judge="score", judge_kwargs={"reward": "shapes"}),
-        "multi": lambda: REWARDS["multi"](components={"shapes": {"weight": 1.0}, "clip_score": {
-            "weight": 0.5, "kwargs": dict(pretrained=f"{d}/tiny.pt", **clip)}}),
+        "pairwise": lambda: build_reward("pairwise", {"judge": "score", "judge_kwargs": {"reward": "shapes"}}),
+        "multi": lambda: build_reward("multi", {"components": {"shapes": {"weight": 1.0}, "clip_score": {
+            "weight": 0.5, "kwargs": dict(pretrained=f"{d}/tiny.pt", **clip)}}}),
     }
     video = name in ("video_frames", "temporal_consistency", "temporal_consistency_clip", "motion")
     x = torch.rand(4, 3, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1 if video else images(seed=5)

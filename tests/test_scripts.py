@@ -39,7 +39,7 @@ def test_pretrain_tiny_writes_loadable_model(tmp_path):
     r = run("scripts/pretrain_world.py", "--size", "tiny", "--minutes", "0.05", "--batch", "8", "--eval-n", "6",
             "--out", out, "--threads", "1")
     assert r.returncode == 0, r.stderr[-2000:]
-    from mmrl.policy.flow_model import load_flow_model
+    from mmrl.models.pipelines import load_flow_model
 
     model = load_flow_model(out)
     assert model.generate(["a red circle"], [0], num_steps=2).shape == (1, 3, 36, 36)  # the default world size
@@ -65,7 +65,7 @@ def test_pretrain_init_widens_to_coordinates(tiny_motion_model, tmp_path):
     import torch
 
     from mmrl.models.pixel_t2i import build_pipeline_parts, save_pipeline_parts
-    from mmrl.policy.flow_model import load_flow_model
+    from mmrl.models.pipelines import load_flow_model
     from tasks import motion
 
     spec = importlib.util.spec_from_file_location("pretrain_world", os.path.join(ROOT, "scripts/pretrain_world.py"))

@@ -4,7 +4,7 @@ loaded by model.path, in latent space through its VAE; the policy contract holds
 import pytest
 import torch
 
-from mmrl.config import load_config
+from mmrl.compose import load_config
 from mmrl.models.tiny_pipelines import build_tiny_sd3_pipeline
 from mmrl.policy import POLICIES
 from mmrl.policy.flow import load_policy_checkpoint
@@ -50,7 +50,7 @@ def test_lora_adapter_loads_in_diffusers_and_peft(sd3_dir, tmp_path):
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
     from peft import PeftModel
 
-    from mmrl.policy.flow_model import load_flow_model
+    from mmrl.models.pipelines import load_flow_model
 
     cfg = load_config(None, [f"model.path={sd3_dir}", "model.lora.enabled=true", "model.lora.rank=4",
                              "model.lora.alpha=16", "sampler.shift=3.0"])
@@ -90,7 +90,7 @@ def test_export_writes_a_pipeline_diffusers_loads(sd3_dir, tmp_path, lora):
     from diffusers import StableDiffusion3Pipeline
 
     from mmrl.cli import main
-    from mmrl.policy.flow_model import load_flow_model
+    from mmrl.models.pipelines import load_flow_model
 
     cfg = load_config(None, [f"model.path={sd3_dir}", f"model.lora.enabled={lora}", "model.lora.rank=4",
                              "model.reference=none"])

@@ -2,7 +2,7 @@
 
 import os
 
-from mmrl.policy.flow_model import load_flow_model
+from mmrl.models.pipelines import load_flow_model
 from tasks import shapes
 from tasks.shapes_eval import evaluate
 

@@ -78,7 +78,7 @@ def test_dynamic_sampling_refills_zero_std_groups(tmp_path):
         vals = [1.0 if int(e["prompt"][1:]) % 2 == 0 else float(e["k"] % 2) for e in examples]
         return {"overall": torch.tensor(vals)}
 
-    from mmrl.config import load_config
+    from mmrl.compose import load_config
     from mmrl.reward import RewardRunner
 
     cfg = load_config(None, ["train.prompts_per_iter=4", "train.group_size=2", "algo.dynamic_sampling=true",
@@ -99,7 +99,7 @@ def test_dynamic_sampling_refills_zero_std_groups(tmp_path):
 def test_deferred_old_log_prob_trains_identically(tiny_vl, tiny_world, tmp_path):
     """One optimizer step per epoch: old log-probs taken from the trainer's first forward (no extra pass)
     give the same update as those recomputed at rollout time; with 2 steps per epoch nothing is deferred."""
-    from mmrl.config import load_config
+    from mmrl.compose import load_config
     from mmrl.trainer import Trainer
 
     def trainer(minibatches, out):
@@ -122,7 +122,7 @@ def test_deferred_old_log_prob_trains_identically(tiny_vl, tiny_world, tmp_path)
 def test_token_micro_batches_give_the_whole_minibatch_update(tiny_vl, tiny_world, tmp_path):
     """train.micro_batch=2 sequences: generation runs one prompt (3 samples) at a time and training accumulates
     parts of 2 rows; from one rollout, the accumulated gradient equals the un-split one."""
-    from mmrl.config import load_config
+    from mmrl.compose import load_config
     from mmrl.trainer import Trainer
 
     def trainer(micro, out):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mmrl.config import load_config
+from mmrl.compose import load_config
 from mmrl.reward import REWARDS
 from mmrl.trainer import Trainer, lr_scale
 

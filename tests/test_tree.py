@@ -1,4 +1,4 @@
-"""BranchGRPO tree rollouts (ALGORITHMS.md 3): the tree's structure and densities, its advantages against a
+"""BranchGRPO tree rollouts (docs/algorithms.md §3): the tree's structure and densities, its advantages against a
 brute-force enumeration of small trees, pruning, the policy contract and the trainer on trees."""
 
 import itertools
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mmrl.algorithms import ADVANTAGES
-from mmrl.config import load_config
+from mmrl.compose import load_config
 from mmrl.data import Rollout, group_ids
 from mmrl.rollout.tree import run_tree, trained_steps, tree_advantages
 from mmrl.sampling.flow_sde import gaussian_log_prob, step_mean_std

@@ -28,7 +28,7 @@ def tiny_lm(tmp_path_factory):
 
 
 def policy_for(path, lora=False):
-    from mmrl.config import load_config
+    from mmrl.compose import load_config
     from mmrl.policy.vlm import build_token_policy
 
     cfg = load_config(None, ["model.policy=vlm", f"model.path={path}", "model.reference=none", "sampler.engine=vllm",

@@ -16,7 +16,7 @@ VIDEO = VideoOptions(min_pixels=56 * 56, max_pixels=56 * 56)
 
 def examples(world, n=2, split="train"):
     from mmrl.config import TaskConfig
-    from mmrl.task import GroundingWorldTask
+    from tasks.grounding import GroundingWorldTask
 
     task = GroundingWorldTask(TaskConfig(eval_prompts=4), root=world, train_videos=6, test_videos=3)
     return task, task.sample(n, random.Random(0))

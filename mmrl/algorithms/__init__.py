@@ -1,6 +1,6 @@
 """Pure algorithm functions, one registry per axis."""
 
-from mmrl.algorithms.advantages import ADVANTAGES, REWARD_AGGREGATIONS
+from mmrl.algorithms.advantages import ADVANTAGES, CREDIT_ASSIGNMENTS, REWARD_AGGREGATIONS
 from mmrl.algorithms.kl import KL_ESTIMATORS
 from mmrl.algorithms.losses import LOSS_AGG, POLICY_LOSSES
 from mmrl.algorithms.offpolicy import OFFPOLICY
@@ -8,5 +8,5 @@ from mmrl.algorithms.ratio import RATIO_TRANSFORMS
 from mmrl.algorithms.shaping import REWARD_SHAPINGS
 from mmrl.algorithms.weighting import WEIGHTINGS
 
-__all__ = ["ADVANTAGES", "KL_ESTIMATORS", "LOSS_AGG", "OFFPOLICY", "POLICY_LOSSES", "RATIO_TRANSFORMS",
+__all__ = ["ADVANTAGES", "CREDIT_ASSIGNMENTS", "KL_ESTIMATORS", "LOSS_AGG", "OFFPOLICY", "POLICY_LOSSES", "RATIO_TRANSFORMS",
            "REWARD_AGGREGATIONS", "REWARD_SHAPINGS", "WEIGHTINGS"]

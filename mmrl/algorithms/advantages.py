@@ -1,4 +1,4 @@
-"""Group-relative advantage estimators (ALGORITHMS.md section 2). Registry: ADVANTAGES.
+"""Group-relative advantage estimators (docs/algorithms.md §2). Registry: ADVANTAGES.
 
 Every estimator: `fn(rewards [N], group_id [N], valid [N] bool, cfg) -> (advantages [N], stats dict)`.
 Invalid samples (a reward that raised or returned NaN) take no part in their group's statistics and get
@@ -54,7 +54,7 @@ def dr_grpo(rewards, group_id, valid, cfg):
     return _normalized(rewards, group_id, valid, cfg, scale=False)
 
 
-# ------------------------------------------------------------------ several rewards (ALGORITHMS.md section 2)
+# ------------------------------------------------------------------ several rewards (docs/algorithms.md §2)
 REWARD_AGGREGATIONS = Registry("reward aggregation")
 
 
@@ -82,3 +82,16 @@ def gdpo(rewards: dict, weights: dict | None, group_id, valid, cfg, estimator):
     stats["adv/abs_mean"] = adv[valid].abs().mean().item() if valid.any() else 0.0
     stats["adv/zero_std_group_frac"] = estimator(rewards["overall"], group_id, valid, cfg)[1]["adv/zero_std_group_frac"]
     return adv.float(), stats
+
+
+# ------------------------------------------------------------------ credit assignment: advantages per action
+# A rule `(rewards {key: [N]} with "overall" already shaped, weights, rollout, valid [N], cfg, iteration)
+# -> (advantages [N] or [N, A], stats)`. `group`: one advantage per sample from its group (every trained
+# action of the sample gets it). `tree`: BranchGRPO's per-transition advantages of tree rollouts.
+CREDIT_ASSIGNMENTS = Registry("credit assignment", {"tree": "mmrl.rollout.tree:tree_credit"})
+
+
+@CREDIT_ASSIGNMENTS.register("group")
+def group_credit(rewards: dict, weights: dict | None, rollout, valid, cfg, iteration: int):
+    a = cfg.algo
+    return REWARD_AGGREGATIONS[a.reward_aggregation](rewards, weights, rollout.group_id, valid, a, ADVANTAGES[a.advantage])

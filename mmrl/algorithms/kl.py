@@ -1,4 +1,4 @@
-"""KL-to-reference estimators (ALGORITHMS.md section 2). Registry: KL_ESTIMATORS.
+"""KL-to-reference estimators (docs/algorithms.md §2). Registry: KL_ESTIMATORS.
 
 `fn(cur: PolicyOutput, ref: PolicyOutput) -> kl [n, A]`.
 """

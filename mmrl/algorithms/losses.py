@@ -1,4 +1,4 @@
-"""Per-action policy losses and loss aggregation (ALGORITHMS.md section 2). Registries: POLICY_LOSSES, LOSS_AGG.
+"""Per-action policy losses and loss aggregation (docs/algorithms.md §2). Registries: POLICY_LOSSES, LOSS_AGG.
 
 Policy loss: `fn(log_prob [n, A], old_log_prob [n, A], advantages [n] | [n, A], cfg) -> (loss [n, A], stats)`.
 Aggregation: `fn(loss [n, A], mask [n, A], num_samples, num_actions) -> scalar`, where num_samples /

@@ -28,7 +28,7 @@ def gspo(log_prob, old_log_prob, rollout, out):
 
 @RATIO_TRANSFORMS.register("guard")
 def guard(log_prob, old_log_prob, rollout, out):
-    """GRPO-Guard RatioNorm (arXiv 2510.22319; ALGORITHMS.md 5) for flow policies. For a Gaussian step with
+    """GRPO-Guard RatioNorm (arXiv 2510.22319; docs/algorithms.md §5) for flow policies. For a Gaussian step with
     std s and mean shift dmu, log r = reduce_d[eps*dmu/s - dmu^2/(2 s^2)] sits below 0 by b = reduce_d(dmu^2)/(2 s^2),
     most at low-noise steps, so clipping stops constraining positive-advantage updates. Per sample and step:
     log r' = (log r + b) * s (= reduce_d(eps * dmu), mean zero). b comes from the policy ("ratio_bias", computed

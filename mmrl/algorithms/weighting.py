@@ -20,14 +20,14 @@ def none(rollout, out):
 @WEIGHTINGS.register("guard_dt")
 def guard_dt(rollout, out):
     """GRPO-Guard gradient reweighting: step t's loss times 1 / (-dt_t) (Flow-GRPO form), which evens out the
-    contributions of noise levels (ALGORITHMS.md 5). Flow policies."""
+    contributions of noise levels (docs/algorithms.md §5). Flow policies."""
     minus_dt = (rollout.extras["sigma"] - rollout.extras["sigma_next"]).float()        # [n, A], > 0
     return (1.0 / minus_dt).to(out.log_prob.device)
 
 
 @WEIGHTINGS.register("tempflow")
 def tempflow(rollout, out):
-    """TempFlow-GRPO noise-aware weights (arXiv 2508.04324; ALGORITHMS.md 4): w_t = std_t / mean_t'(std_t') with
+    """TempFlow-GRPO noise-aware weights (arXiv 2508.04324; docs/algorithms.md §4): w_t = std_t / mean_t'(std_t') with
     std_t = s_t * sqrt(-dt_t) and the mean over the schedule's trainable steps (from the flow policy, so a
     one-step window or a branch point is weighted too). The per-step gradient scale goes as 1 / std_t, so
     unweighted GRPO is dominated by late low-noise steps. Flow policies."""

@@ -1,4 +1,5 @@
-"""diffusers pipelines as FlowModels: SD3 / SD3.5, FLUX.1 and Wan2.x, loaded with `from_pretrained`.
+"""Flow models from folders: diffusers pipelines (SD3 / SD3.5, FLUX.1, Wan2.x, loaded with `from_pretrained`) and
+mmrl's pixel-space model; `load_flow_model(path)` picks by the folder's model_index.json.
 
 Each loader gives the FlowModel its transformer call: how the architecture takes latents, sigma and text.
 Samplers and policies always see unpacked latents x [N, *latent_shape] and a velocity of the same shape:
@@ -15,18 +16,17 @@ pipeline's scheduler config (use_dynamic_shifting) as FluxPipeline applies it.
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
+from mmrl.models.flow_model import SD3_LORA_TARGETS, EncodeFn, FlowModel, dynamic_shift_mu, sd3_call
+from mmrl.models.pixel_t2i import PIPELINE_CLASS
+
 # LoRA targets per architecture (peft matches module-name suffixes)
-SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # self- and cross-attention of every block
 PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline", "WanPipeline")
-
-
-def sd3_call(transformer, x, sigma, enc, pooled):
-    return transformer(hidden_states=x, encoder_hidden_states=enc, pooled_projections=pooled,
-                       timestep=sigma * 1000, return_dict=False)[0]
 
 
 def flux_call(guidance: float):
@@ -66,8 +66,6 @@ def load_pipeline_model(cls: str, path: str, dtype: torch.dtype, device: str, sa
                         num_frames: int | None, guidance: float):
     """A FlowModel of the diffusers pipeline folder `path` whose model_index.json names `cls`."""
     import diffusers
-
-    from mmrl.policy.flow_model import FlowModel, dynamic_shift_mu
 
     pipe = getattr(diffusers, cls).from_pretrained(path, dtype=dtype).to(device)
     vae, tr = pipe.vae, pipe.transformer
@@ -122,3 +120,63 @@ def load_pipeline_model(cls: str, path: str, dtype: torch.dtype, device: str, sa
 
     return FlowModel(tr, encode, decode, (channels, size, size), texts + (vae,), pipeline_class=cls, call=call,
                      lora_targets=SD3_LORA_TARGETS, schedule_mu=mu if cls == "FluxPipeline" else None)
+
+
+def _pixel_model(path: str, dtype: torch.dtype) -> FlowModel:
+    import diffusers
+    from transformers import CLIPTextModelWithProjection, PreTrainedTokenizerFast
+
+    index = json.load(open(os.path.join(path, "model_index.json")))
+    cls = index.get("transformer_class", "SD3Transformer2DModel")
+    if cls not in ("SD3Transformer2DModel", "WanTransformer3DModel"):
+        raise ValueError(f"{path}: unsupported transformer_class {cls!r} (SD3Transformer2DModel, WanTransformer3DModel)")
+    transformer = getattr(diffusers, cls).from_pretrained(os.path.join(path, "transformer"), dtype=dtype)
+    text_encoder = CLIPTextModelWithProjection.from_pretrained(os.path.join(path, "text_encoder"))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(path, "tokenizer"))
+    size, ch = index["sample_size"], index["channels"]
+    video = cls == "WanTransformer3DModel"
+    shape = (ch, index["frames"], size, size) if video else (ch, size, size)
+    return FlowModel(transformer, make_clip_encoder(tokenizer, text_encoder), lambda x: x.clamp(-1, 1), shape,
+                     (text_encoder,), prediction=index.get("prediction", "velocity"),
+                     call=(wan_coord_call if index.get("coordinates") else wan_call) if video else sd3_call, lora_targets=WAN_LORA_TARGETS if video else SD3_LORA_TARGETS)
+
+
+def make_clip_encoder(tokenizer, text_encoder) -> EncodeFn:
+    """Encode texts with a CLIP text model: (last_hidden_state [B, L, D], text_embeds [B, D])."""
+
+    def encode(texts: list[str]):
+        ids = tokenizer(list(texts), padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                        return_tensors="pt").to(text_encoder.device)
+        out = text_encoder(input_ids=ids.input_ids, attention_mask=ids.attention_mask)
+        return out.last_hidden_state, out.text_embeds
+
+    return encode
+
+
+def load_flow_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                    sample_size: int | None = None, num_frames: int | None = None, guidance: float = 3.5) -> FlowModel:
+    """Load a flow generator folder: a diffusers SD3 / FLUX / Wan pipeline or mmrl's pixel model.
+    `sample_size` overrides the latent size (H = W) of pipelines, `num_frames` the video length of Wan,
+    `guidance` is FLUX's guidance-embedding scale."""
+    index_file = os.path.join(path, "model_index.json")
+    if not os.path.isfile(index_file):
+        raise FileNotFoundError(f"{path!r} has no model_index.json: point model.path at a diffusers "
+                                f"pipeline folder ({', '.join(PIPELINES)}) or an mmrl pixel-model folder "
+                                f"(scripts/pretrain_world.py writes one)")
+    cls = json.load(open(index_file)).get("_class_name")
+    if cls == PIPELINE_CLASS:
+        model = _pixel_model(path, dtype)
+    elif cls in PIPELINES or cls == "StableDiffusion3Img2ImgPipeline":
+        cls = "StableDiffusion3Pipeline" if cls.startswith("StableDiffusion3") else cls
+        model = load_pipeline_model(cls, path, dtype, device, sample_size, num_frames, guidance)
+    else:
+        raise ValueError(f"unsupported pipeline class {cls!r} in {index_file}; supported: "
+                         f"{PIPELINE_CLASS}, {', '.join(PIPELINES)}")
+    for m in model.text_modules:
+        m.requires_grad_(False).eval()
+    model.transformer.to(device)
+    if model.transformer_2 is not None:
+        model.transformer_2.to(device)
+    for m in model.text_modules:
+        m.to(device)
+    return model

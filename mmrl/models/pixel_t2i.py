@@ -3,7 +3,7 @@
 The image model is a real diffusers `SD3Transformer2DModel` (MMDiT) generating RGB pixels directly (no VAE);
 the video model (motion world) a real `WanTransformer3DModel` generating RGB clips [3, F, H, W]. Both are
 conditioned by a real transformers `CLIPTextModelWithProjection` over a word-level tokenizer trained locally
-with `tokenizers`. Saved as a diffusers-style folder that `mmrl.policy.flow_model.load_flow_model` reads:
+with `tokenizers`. Saved as a diffusers-style folder that `mmrl.models.pipelines.load_flow_model` reads:
 
     model_index.json   {"_class_name": "MMRLPixelPipeline", "sample_size": 36, "prediction": "velocity",
                         "transformer_class": "SD3Transformer2DModel" | "WanTransformer3DModel", "frames": F (video),
@@ -101,7 +101,7 @@ def build_pipeline_parts(words: list[str], size: str = "small", sample_size: int
 
 def save_pipeline_parts(parts: dict, path: str, prediction: str = "velocity") -> None:
     """Write the folder described in the module docstring (the caller makes it atomic).
-    prediction: what the transformer outputs, "velocity" or "sample" (see mmrl/policy/flow_model.py)."""
+    prediction: what the transformer outputs, "velocity" or "sample" (see mmrl/models/flow_model.py)."""
     os.makedirs(path, exist_ok=True)
     for name in ("transformer", "text_encoder", "tokenizer", "scheduler"):
         parts[name].save_pretrained(os.path.join(path, name))

@@ -1,19 +1,10 @@
-"""Policies. Registry: POLICIES maps model.policy to a builder `(cfg: Config) -> Policy` (imported lazily)."""
+"""Policies. Registry: POLICIES maps model.policy to a builder `(cfg: Config) -> Policy` (imported on first use);
+`package.module:build_fn` names a user's own builder."""
 
 from mmrl.registry import Registry
 
-POLICIES = Registry("policy")
-
-
-@POLICIES.register("flow")
-def _flow(cfg):
-    from mmrl.policy.flow import build_flow_policy
-
-    return build_flow_policy(cfg)
-
-
-@POLICIES.register("vlm")
-def _vlm(cfg):
-    from mmrl.policy.vlm import build_token_policy
-
-    return build_token_policy(cfg)
+POLICIES = Registry("policy", {
+    "flow": "mmrl.policy.flow:build_flow_policy",
+    "token": "mmrl.policy.vlm:build_token_policy",
+    "vlm": "mmrl.policy.vlm:build_token_policy",  # the former name of `token`, kept as an alias
+})

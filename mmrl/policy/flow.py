@@ -4,7 +4,7 @@ Actions are denoising steps. `sample` runs G chains per prompt with the configur
 steps (ODE elsewhere), or one BranchGRPO tree per prompt (tree.split_steps; mmrl/rollout/tree.py), and stores, for each SDE step, x_t, x_{t+1}, sigma_t, sigma_{t+1}, the rollout-time mean and
 std; `log_prob` recomputes the Gaussian log-density of the stored x_{t+1} under the current weights with the
 same CFG scale, the same std and the same reduction, batching all n * A steps in one forward.
-The last (lowest-sigma) step is never trained (its likelihood overflows; ALGORITHMS.md 1).
+The last (lowest-sigma) step is never trained (its likelihood overflows; docs/algorithms.md §1).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 from mmrl.cache import BoundedCache
 from mmrl.data import PolicyOutput, Rollout, group_ids
 from mmrl.policy.base import load_lora_adapter, reference_kind, save_lora_adapter, upcast_trainable, write_policy_meta
-from mmrl.policy.flow_model import EXPERTS, FlowModel, load_flow_model, sigma_schedule
+from mmrl.models.flow_model import EXPERTS, FlowModel, sigma_schedule
+from mmrl.models.pipelines import load_flow_model
 from mmrl.rollout.tree import run_tree, trained_steps
 from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std
 

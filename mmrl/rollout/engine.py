@@ -15,6 +15,9 @@ from typing import Protocol
 import torch
 
 
+ENGINES = ("prefix_cache", "hf", "vllm")  # sampler.engine of token policies
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 64

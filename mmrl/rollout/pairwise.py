@@ -1,4 +1,4 @@
-"""Pref-GRPO pairwise rewards (ALGORITHMS.md section 6): every group's C(G,2) pairs go to a pairwise judge, and
+"""Pref-GRPO pairwise rewards (docs/algorithms.md §6): every group's C(G,2) pairs go to a pairwise judge, and
 each sample's reward is its win rate. The advantage estimator then z-scores the win rates as usual.
 
 A judge is a callable `(outputs_a, outputs_b, examples) -> Tensor[P]` over P pairs, batched: +1 when a is better,
@@ -17,7 +17,8 @@ import torch
 from mmrl.registry import Registry
 
 log = logging.getLogger(__name__)
-JUDGES = Registry("pairwise judge")
+# name -> factory `(**judge_kwargs) -> judge`; a judge that wraps a reward takes it built (mmrl/compose.py)
+JUDGES = Registry("pairwise judge", {"score": "mmrl.rollout.pairwise:ScoreJudge", "vlm": "rewards.judges:VLMJudge"})
 
 
 def all_pairs(group_id: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +54,8 @@ class PairwiseReward:
 
     needs_groups = True  # the reward runner passes group_id and never re-scores samples one by one
 
-    def __init__(self, judge, batch_size: int = 64, symmetric: bool = False):
+    def __init__(self, judge="score", batch_size: int = 64, symmetric: bool = False):
+        """judge: the judge object, built by mmrl.compose from the config's `judge` name and `judge_kwargs`."""
         self.judge, self.batch_size, self.symmetric = judge, batch_size, symmetric
         self.failed_pairs = 0
 
@@ -114,7 +116,8 @@ class PairwiseReward:
 class ScoreJudge:
     """A pointwise reward turned into a judge: compare `key` scores; |difference| <= margin is a tie."""
 
-    def __init__(self, reward, key: str = "overall", margin: float = 0.0):
+    def __init__(self, reward="shapes", key: str = "overall", margin: float = 0.0):
+        """reward: the reward object, built by mmrl.compose from the config's `reward` name and `reward_kwargs`."""
         self.reward, self.key, self.margin = reward, key, margin
 
     def score(self, outputs, examples) -> torch.Tensor:
@@ -137,18 +140,3 @@ class RuleJudge:
 
     def __call__(self, outputs_a, outputs_b, examples) -> torch.Tensor:
         return torch.tensor([float(self.rule(a, b, e)) for a, b, e in zip(outputs_a, outputs_b, examples)])
-
-
-@JUDGES.register("score")
-def _score_judge(reward: str = "shapes", reward_kwargs: dict | None = None, key: str = "overall", margin: float = 0.0):
-    from mmrl.reward import REWARDS
-
-    return ScoreJudge(REWARDS[reward](**(reward_kwargs or {})), key, margin)
-
-
-@JUDGES.register("vlm")
-def _vlm_judge(**kwargs):
-    from rewards.judges import VLMJudge
-
-    return VLMJudge(**kwargs)
-

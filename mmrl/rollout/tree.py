@@ -1,4 +1,4 @@
-"""BranchGRPO tree rollouts for flow policies (arXiv 2509.06040; ALGORITHMS.md section 3).
+"""BranchGRPO tree rollouts for flow policies (arXiv 2509.06040; docs/algorithms.md §3).
 
 Sampling (`run_tree`). Each prompt starts from ONE noise (the root). At every split step each alive path
 evaluates the transformer once and its `branch` children share that prediction, differing only in the injected
@@ -17,7 +17,7 @@ Where the reference code differs (documented, not copied):
 - its split noise is multiplied by split_noise_scale while the log-prob keeps the unscaled std, an off-policy
   term hidden in every split edge; here the stored std IS the scaled one, so the log-prob is the density the
   child was drawn from and the on-policy ratio stays exactly 1;
-- it z-scores with the unbiased std; the estimator here uses the population std of ALGORITHMS.md 2 (a constant
+- it z-scores with the unbiased std; the estimator here uses the population std of docs/algorithms.md §2 (a constant
   factor sqrt((n - 1) / n) on the depth's advantages);
 - width pruning ranks transitions; their advantage is constant along a leaf, so mode 1 keeps the first
   `width_ratio` of each leaf's post-split steps and mode 2 keeps whole leaves, the best and the worst.
@@ -30,7 +30,10 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from mmrl.algorithms.advantages import ADVANTAGES, group_credit
 from mmrl.sampling.flow_sde import Trajectory, step
+
+FUSIONS = ("mean", "softmax")  # tree.fusion
 
 
 @dataclass
@@ -119,6 +122,14 @@ def _first_valid_owner(node: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         first = torch.full((len(uniq),), n, dtype=torch.long).scatter_reduce_(0, inv, rows, "amin")
         owner[first, j] = True
     return owner
+
+
+def tree_credit(rewards: dict, weights: dict | None, rollout, valid: torch.Tensor, cfg, iteration: int):
+    """The `tree` credit assignment (CREDIT_ASSIGNMENTS): per-transition advantages [N, A] of a tree rollout,
+    with the group statistics of its leaves logged beside the tree's."""
+    _, stats = group_credit(rewards, weights, rollout, valid, cfg, iteration)
+    adv, tree_stats = tree_advantages(rewards["overall"], rollout, valid, cfg, ADVANTAGES[cfg.algo.advantage], iteration)
+    return adv, {**stats, **tree_stats}
 
 
 def tree_advantages(rewards: torch.Tensor, rollout, valid: torch.Tensor, cfg, estimator, iteration: int):

@@ -1,6 +1,6 @@
 """Pure flow-matching step functions with exact Gaussian log-probs (Flow-GRPO, DanceGRPO, CPS, ODE).
 
-Convention (ALGORITHMS.md section 1): `x_sigma = (1 - sigma) * x0 + sigma * eps`, velocity `v ~ eps - x0`,
+Convention (docs/algorithms.md §1): `x_sigma = (1 - sigma) * x0 + sigma * eps`, velocity `v ~ eps - x0`,
 sigma goes from ~1 (noise) to 0 (data), `dt = sigma_next - sigma < 0`. Everything here is computed in fp32.
 
 Every step returns `StepOut(next, mean, std, log_prob)`:
@@ -63,6 +63,9 @@ def sde_mean(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, dt: torch.Te
     x, v: [N, *D]; sigma, dt, s: [N]."""
     sigma, dt, s = _bcast(sigma, x), _bcast(dt, x), _bcast(s, x)
     return x + (v + s**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt
+
+
+SDE_KINDS = ("flow_grpo", "dance", "cps")  # sampler.kind (training); "ode" is evaluation only
 
 
 def step_mean_std(kind: str, x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,

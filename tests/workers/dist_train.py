@@ -31,7 +31,7 @@ def main():
     torch.set_num_threads(1)
     from safetensors.torch import save_file
 
-    from mmrl.config import load_config
+    from mmrl.compose import load_config
     from mmrl.distributed import full
     from mmrl.trainer import Trainer
 

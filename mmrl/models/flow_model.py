@@ -10,25 +10,31 @@
 clean image, as JiT argues for pixel-space transformers with large patches); `velocity` always returns v, so
 samplers and policies never see the difference (`velocity_from_prediction`).
 
-`load_flow_model(path)` reads a diffusers pipeline folder (SD3 / SD3.5, FLUX.1, Wan2.x; latent space through
-the pipeline's VAE and text encoders; mmrl/models/pipelines.py) or mmrl's pixel-space folder
+`mmrl.models.pipelines.load_flow_model(path)` builds one from a diffusers pipeline folder (SD3 / SD3.5, FLUX.1,
+Wan2.x; latent space through the pipeline's VAE and text encoders) or mmrl's pixel-space folder
 (`mmrl/models/pixel_t2i.py`).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from mmrl.models.pipelines import (PIPELINES, SD3_LORA_TARGETS, WAN_LORA_TARGETS, load_pipeline_model, sd3_call,
-                                   wan_call, wan_coord_call)
 from mmrl.models.pixel_t2i import PIPELINE_CLASS
 
+
+# LoRA targets of SD3-family transformers (peft matches module-name suffixes): the joint attention projections
+SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 EncodeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
+
+
+def sd3_call(transformer, x, sigma, enc, pooled):
+    """The SD3 / SD3.5 transformer call (also the pixel model's): timestep = 1000 sigma."""
+    return transformer(hidden_states=x, encoder_hidden_states=enc, pooled_projections=pooled,
+                       timestep=sigma * 1000, return_dict=False)[0]
 
 
 @dataclass
@@ -140,63 +146,3 @@ def dynamic_shift_mu(image_seq_len: int, scheduler_config: dict) -> float | None
     lo, hi = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
     b0, b1 = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
     return b0 + (image_seq_len - lo) * (b1 - b0) / (hi - lo)
-
-
-def _pixel_model(path: str, dtype: torch.dtype) -> FlowModel:
-    import diffusers
-    from transformers import CLIPTextModelWithProjection, PreTrainedTokenizerFast
-
-    index = json.load(open(os.path.join(path, "model_index.json")))
-    cls = index.get("transformer_class", "SD3Transformer2DModel")
-    if cls not in ("SD3Transformer2DModel", "WanTransformer3DModel"):
-        raise ValueError(f"{path}: unsupported transformer_class {cls!r} (SD3Transformer2DModel, WanTransformer3DModel)")
-    transformer = getattr(diffusers, cls).from_pretrained(os.path.join(path, "transformer"), dtype=dtype)
-    text_encoder = CLIPTextModelWithProjection.from_pretrained(os.path.join(path, "text_encoder"))
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(path, "tokenizer"))
-    size, ch = index["sample_size"], index["channels"]
-    video = cls == "WanTransformer3DModel"
-    shape = (ch, index["frames"], size, size) if video else (ch, size, size)
-    return FlowModel(transformer, make_clip_encoder(tokenizer, text_encoder), lambda x: x.clamp(-1, 1), shape,
-                     (text_encoder,), prediction=index.get("prediction", "velocity"),
-                     call=(wan_coord_call if index.get("coordinates") else wan_call) if video else sd3_call, lora_targets=WAN_LORA_TARGETS if video else SD3_LORA_TARGETS)
-
-
-def make_clip_encoder(tokenizer, text_encoder) -> EncodeFn:
-    """Encode texts with a CLIP text model: (last_hidden_state [B, L, D], text_embeds [B, D])."""
-
-    def encode(texts: list[str]):
-        ids = tokenizer(list(texts), padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                        return_tensors="pt").to(text_encoder.device)
-        out = text_encoder(input_ids=ids.input_ids, attention_mask=ids.attention_mask)
-        return out.last_hidden_state, out.text_embeds
-
-    return encode
-
-
-def load_flow_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                    sample_size: int | None = None, num_frames: int | None = None, guidance: float = 3.5) -> FlowModel:
-    """Load a flow generator folder: a diffusers SD3 / FLUX / Wan pipeline or mmrl's pixel model.
-    `sample_size` overrides the latent size (H = W) of pipelines, `num_frames` the video length of Wan,
-    `guidance` is FLUX's guidance-embedding scale."""
-    index_file = os.path.join(path, "model_index.json")
-    if not os.path.isfile(index_file):
-        raise FileNotFoundError(f"{path!r} has no model_index.json: point model.path at a diffusers "
-                                f"pipeline folder ({', '.join(PIPELINES)}) or an mmrl pixel-model folder "
-                                f"(scripts/pretrain_world.py writes one)")
-    cls = json.load(open(index_file)).get("_class_name")
-    if cls == PIPELINE_CLASS:
-        model = _pixel_model(path, dtype)
-    elif cls in PIPELINES or cls == "StableDiffusion3Img2ImgPipeline":
-        cls = "StableDiffusion3Pipeline" if cls.startswith("StableDiffusion3") else cls
-        model = load_pipeline_model(cls, path, dtype, device, sample_size, num_frames, guidance)
-    else:
-        raise ValueError(f"unsupported pipeline class {cls!r} in {index_file}; supported: "
-                         f"{PIPELINE_CLASS}, {', '.join(PIPELINES)}")
-    for m in model.text_modules:
-        m.requires_grad_(False).eval()
-    model.transformer.to(device)
-    if model.transformer_2 is not None:
-        model.transformer_2.to(device)
-    for m in model.text_modules:
-        m.to(device)
-    return model

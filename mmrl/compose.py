@@ -1,0 +1,121 @@
+"""Composition: the one place where config names become objects.
+
+The config (mmrl/config.py) knows values, not registries; the registries (POLICIES, TASKS, REWARDS, JUDGES, the
+algorithm pieces) know names, not configs. Here a config is checked against the registries once, at load time
+(`load_config`, `check_choices`), and turned into a policy, a task and rewards (`build_policy`, `build_task`,
+`build_reward`). Any name may be a `package.module:Name` path to the user's own code.
+
+Rewards and judges that wrap others receive them built: a factory parameter named `reward` or `judge` whose
+config value (or default) is a registry name is built from that name and the sibling `reward_kwargs` /
+`judge_kwargs`; `components` of `reward.name=multi` are built one by one. So a user's wrapper reward gets the
+same treatment as the built-in ones.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS_AGG, OFFPOLICY, POLICY_LOSSES,
+                             RATIO_TRANSFORMS, REWARD_AGGREGATIONS, REWARD_SHAPINGS, WEIGHTINGS)
+from mmrl.config import Config, TaskConfig
+from mmrl.config import load_config as parse_config
+from mmrl.policy import POLICIES
+from mmrl.registry import Registry
+from mmrl.reward import REWARDS
+from mmrl.rollout.engine import ENGINES
+from mmrl.rollout.pairwise import JUDGES
+from mmrl.rollout.tree import FUSIONS, split_schedule
+from mmrl.sampling.flow_sde import SDE_KINDS
+from mmrl.task import TASKS
+
+NESTED = {"reward": REWARDS, "judge": JUDGES}  # factory parameters that receive built objects
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Parse and check a config (mmrl.config.load_config), then check every registry name it uses."""
+    return check_choices(parse_config(path, overrides))
+
+
+def credit_name(cfg: Config) -> str:
+    return cfg.algo.credit if cfg.algo.credit != "auto" else ("tree" if cfg.tree.split_steps else "group")
+
+
+def check_choices(cfg: Config) -> Config:
+    """Every registry name and enumerated choice of `cfg`, resolved once; ValueError naming the key and the fix."""
+    POLICIES.check(cfg.model.policy, "model.policy")
+    TASKS.check(cfg.task.name, "task.name")
+    for key in ("name", "eval_name"):
+        if getattr(cfg.reward, key):
+            REWARDS.check(getattr(cfg.reward, key), f"reward.{key}")
+    for registry, key in ((ADVANTAGES, "advantage"), (POLICY_LOSSES, "policy_loss"), (LOSS_AGG, "loss_agg"),
+                          (KL_ESTIMATORS, "kl"), (RATIO_TRANSFORMS, "ratio"), (REWARD_SHAPINGS, "reward_shaping"),
+                          (REWARD_AGGREGATIONS, "reward_aggregation"), (OFFPOLICY, "offpolicy")):
+        registry.check(getattr(cfg.algo, key), f"algo.{key}")
+    for name in cfg.algo.weighting.split("+"):
+        WEIGHTINGS.check(name, "algo.weighting")
+    CREDIT_ASSIGNMENTS.check(credit_name(cfg), "algo.credit")
+    if cfg.tree.split_steps and credit_name(cfg) == "group":
+        raise ValueError("algo.credit=group gives one advantage per sample, but tree rollouts need one per "
+                         "transition: set algo.credit=auto (or tree)")
+    _choice("sampler.kind", cfg.sampler.kind, SDE_KINDS)
+    _choice("sampler.engine", cfg.sampler.engine, ENGINES)
+    _choice("tree.fusion", cfg.tree.fusion, FUSIONS)
+    if cfg.tree.split_steps:
+        split_schedule(cfg.sampler.num_steps, cfg.tree.split_steps)
+    return cfg
+
+
+def _choice(key: str, value, valid: tuple) -> None:
+    if value not in valid:
+        raise ValueError(f"{key}: invalid value {value!r}; valid: {list(valid)}")
+
+
+# ------------------------------------------------------------------------------------------------- building
+def build_policy(cfg: Config):
+    """POLICIES[model.policy](cfg)."""
+    return POLICIES[cfg.model.policy](cfg)
+
+
+def build_task(cfg: TaskConfig):
+    """TASKS[task.name](cfg.task, **task.kwargs); an unknown kwarg fails naming the valid ones."""
+    return _call(TASKS, cfg.name, dict(cfg.kwargs), "task", cfg)
+
+
+def build_reward(name: str, kwargs: dict | None = None, where: str = "reward"):
+    """REWARDS[name](**kwargs) with the rewards / judges it wraps built first (see the module docstring)."""
+    return _call(REWARDS, name, dict(kwargs or {}), where)
+
+
+def build_judge(name: str, kwargs: dict | None = None, where: str = "judge"):
+    return _call(JUDGES, name, dict(kwargs or {}), where)
+
+
+def _call(registry: Registry, name: str, kwargs: dict, where: str, *args):
+    factory = registry[name]
+    params = inspect.signature(factory).parameters
+    open_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    valid = sorted(k for k in params if k not in ("self", "cfg", "args", "kwargs"))
+    for key, sub in NESTED.items():  # a wrapped reward / judge named by a string: build it
+        value = kwargs.get(key, params[key].default if key in params else None)
+        if key in params and isinstance(value, str):
+            kwargs[key] = _call(sub, value, dict(kwargs.pop(f"{key}_kwargs", None) or {}), f"{where}.{key}")
+        elif f"{key}_kwargs" in kwargs and key not in params:
+            valid.append(f"{key}_kwargs")
+    if "components" in params and isinstance(kwargs.get("components"), dict):  # reward.name=multi
+        kwargs["components"] = {label: _component(label, spec, where) for label, spec in kwargs["components"].items()}
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown and not open_kwargs:
+        raise ValueError(f"{where}.kwargs {unknown} not understood by {registry.axis} {name!r}; valid: {valid}")
+    try:
+        return factory(*args, **kwargs)
+    except TypeError as e:
+        raise ValueError(f"{registry.axis} {name!r}: {e}; valid {where}.kwargs: {valid}") from e
+
+
+def _component(label: str, spec, where: str) -> dict:
+    spec = dict(spec or {})
+    unknown = set(spec) - {"name", "weight", "kwargs"}
+    if unknown:
+        raise ValueError(f"{where}.kwargs.components.{label}: unknown keys {sorted(unknown)}; valid: name, weight, kwargs")
+    reward = build_reward(spec.get("name", label), spec.get("kwargs"), f"{where}.kwargs.components.{label}")
+    return {"reward": reward, "weight": float(spec.get("weight", 1.0))}

@@ -1,0 +1,100 @@
+"""`mmrl eval CONFIG CHECKPOINT... [key=value ...]`: score models on the config's held-out benchmark.
+
+The task of the config gives the held-out examples (`task.eval_examples()`), its reward (`reward.eval_name`,
+else `reward.name`) scores them, and each policy generates deterministically (`policy.evaluate`: ODE samples
+for generators, greedy answers for token policies; example i uses seed `--seed + i`). The base model of the
+config (`model.path`) is scored first, then every CHECKPOINT, then the task's own baselines (e.g. the blind
+constant answer for grounding). A CHECKPOINT is a trainer checkpoint (runs/NAME/checkpoints/iter-N), its
+policy/ folder, or a model folder (then it replaces model.path).
+
+Prints a table (one row per model; the reward's keys as columns, then per category) and one JSON object on
+the last line: {"task", "n", "seed", "results": {name: {key: mean, ..., "per_category": {...}}}}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+from mmrl import compose
+from mmrl.evaluation import evaluate_outputs
+from mmrl.reward import RewardRunner
+
+
+def policy_folder(checkpoint: str) -> str | None:
+    """The saved policy folder of a trainer checkpoint or policy folder; None for a plain model folder."""
+    for path in (os.path.join(checkpoint, "policy"), checkpoint):
+        if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
+            return path
+    if not os.path.isdir(checkpoint):
+        raise FileNotFoundError(f"checkpoint {checkpoint!r} does not exist (give runs/NAME/checkpoints/iter-N, its "
+                                f"policy/ folder, or a model folder)")
+    return None
+
+
+def evaluate_checkpoints(cfg, checkpoints: list[str], seed: int = 0, base: bool = True,
+                         progress: bool = True) -> dict:
+    """{name: metrics} for the base model, each checkpoint and the task's baselines (see the module docstring)."""
+    task = compose.build_task(cfg.task)
+    name = cfg.reward.eval_name or cfg.reward.name
+    kwargs = cfg.reward.eval_kwargs if cfg.reward.eval_name else cfg.reward.kwargs
+    runner = RewardRunner(compose.build_reward(name, kwargs, "reward.eval"), "skip", cfg.train.micro_batch)
+    examples = task.eval_examples()
+    results: dict[str, dict] = {}
+
+    def score(label: str, policy) -> None:
+        t0 = time.time()
+        res = evaluate_outputs(policy.evaluate, examples, lambda o, e: runner(o, e)[0], seed=seed, progress=progress)
+        res["seconds"] = round(time.time() - t0, 1)
+        results[label] = res
+
+    policy = None
+    if base:
+        policy = compose.build_policy(cfg)
+        score(f"base ({cfg.model.path})", policy)
+    for ck in checkpoints:
+        folder = policy_folder(ck)
+        if folder is None:  # a model folder: it is the model
+            score(ck, compose.build_policy(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=ck))))
+            continue
+        if policy is None:
+            policy = compose.build_policy(cfg)
+        policy.load_trainable_state(folder)
+        score(ck, policy)
+    for label, res in (task.baselines() if hasattr(task, "baselines") else {}).items():
+        results[label] = res
+    return results
+
+
+def format_table(results: dict[str, dict]) -> str:
+    """One row per model: every metric key (reward keys), then the first key per category."""
+    keys = [k for k in next(iter(results.values())) if k not in ("per_category", "n", "seconds")]
+    keys += sorted({k for r in results.values() for k in r if k not in keys and k not in ("per_category", "n", "seconds")})
+    cats = sorted({c for r in results.values() for c in r.get("per_category", {})})
+    head = keys[0] if keys else "overall"
+    cols = keys + [f"{c}:{head}" for c in cats] + ["n"]
+    width = max(len(m) for m in results) + 2
+    lines = ["model".ljust(width) + " ".join(c.rjust(max(8, len(c))) for c in cols)]
+    for model, r in results.items():
+        vals = [r.get(k) for k in keys] + [r.get("per_category", {}).get(c, {}).get(head) for c in cats] + [r.get("n")]
+        lines.append(model.ljust(width) + " ".join(_fmt(v).rjust(max(8, len(c))) for c, v in zip(cols, vals)))
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4f}"
+    return str(v) if not isinstance(v, list) else ",".join(f"{x:g}" for x in v)
+
+
+def eval_main(args, cfg) -> int:
+    """args: checkpoints, seed, no_base (mmrl/cli.py); cfg: the loaded config."""
+    results = evaluate_checkpoints(cfg, args.checkpoints, args.seed, not args.no_base, cfg.log.progress)
+    print(format_table(results))
+    n = next((r["n"] for r in results.values() if "n" in r), 0)
+    print(json.dumps({"task": cfg.task.name, "n": n, "seed": args.seed, "results": results}))
+    return 0
