@@ -71,8 +71,7 @@ class Trainer:
         # One optimizer step per epoch: every row's first forward runs under the sampling weights, so the
         # rollout's old log-probs are that forward's (detached) values; policies that must pay an extra
         # forward for them (token policies) skip it.
-        if hasattr(self.policy, "defer_old_log_prob"):
-            self.policy.defer_old_log_prob = cfg.train.minibatches == cfg.train.grad_accum
+        self.policy.defer_old_log_prob = cfg.train.minibatches == cfg.train.grad_accum
         self.logger = Logger(cfg.log.out_dir, cfg.log.tensorboard, enabled=self.dist.main)
         self.timer = Timer()
 
@@ -211,7 +210,7 @@ class Trainer:
         t = self.cfg.train
         if t.mixed_precision != "bf16" or (t.parallel == "fsdp" and self.dist.world > 1):
             return contextlib.nullcontext()
-        return torch.autocast(torch.device(getattr(self.policy, "device", "cpu")).type, dtype=torch.bfloat16)
+        return torch.autocast(torch.device(self.policy.device).type, dtype=torch.bfloat16)
 
     def _sample(self, examples: list[dict], gen: torch.Generator) -> Rollout:
         """One group per example; with several processes, this rank's share: its contiguous range of the
@@ -223,7 +222,7 @@ class Trainer:
         g, d = self.cfg.train.group_size, self.dist
         if d.world == 1:
             return self.policy.sample(examples, g, gen)
-        if getattr(self.policy, "samples_rows", False):
+        if self.policy.samples_rows:
             return self.policy.sample(examples, g, gen, rows=d.rows(len(examples) * g))
         share = d.rows(len(examples))
         ro = self.policy.sample([examples[i] for i in share.tolist()], g, gen)
@@ -284,7 +283,7 @@ class Trainer:
         for j, r in enumerate(per_action.tolist()):
             out[f"ratio_per_action/{int(labels[0, j]) if labels is not None else j}"] = r
         out["train/optimizer_steps"] = steps
-        if steps and hasattr(self.policy, "sync_weights"):  # an engine with its own weight copy (vLLM) reloads
+        if steps:  # an engine with its own weight copy (vLLM) reloads
             self.policy.sync_weights()
         return out
 
@@ -296,7 +295,7 @@ class Trainer:
         if not size:
             yield idx, None
             return
-        if not getattr(self.policy, "scores_actions", False):
+        if not self.policy.scores_actions:
             yield from ((part, None) for part in idx.split(size))
             return
         mask = rollout.action_mask[idx]                                        # [n, A]

@@ -14,11 +14,7 @@ training queries, or the evaluated queries themselves, which flatters it). The l
 
 import argparse
 import json
-import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None):

@@ -9,12 +9,7 @@ not steer the motion, 0.5 on rendered clips) and the reward components overall a
 one JSON object. The prompts are `tasks.motion.balanced_prompts("heldout", n, seed=1234)`: texts GRPO never trains on.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from mmrl.evaluation import flow_bench_main  # noqa: E402
+from mmrl.evaluation import flow_bench_main
 
 
 def describe(res: dict) -> str:

@@ -8,12 +8,7 @@ The prompts are `tasks.shapes.balanced_prompts("heldout", n, seed=1234)`: texts 
 categories equally represented.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from mmrl.evaluation import flow_bench_main  # noqa: E402
+from mmrl.evaluation import flow_bench_main
 
 
 def describe(res: dict) -> str:

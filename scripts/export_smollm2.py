@@ -15,9 +15,7 @@ import argparse
 import importlib.util
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

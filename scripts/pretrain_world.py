@@ -30,7 +30,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mmrl.checkpoint import atomic_dir
 from mmrl.models.pipelines import sd3_call, wan_call, wan_coord_call

@@ -24,7 +24,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mmrl.checkpoint import atomic_dir
 from mmrl.config import LoraConfig, SamplerConfig

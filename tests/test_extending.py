@@ -46,12 +46,22 @@ def test_the_examples_satisfy_the_protocols():
     try:
         from brightness_reward import BrightnessReward
         from color_task import ColorTask
+        from tiny_generator import build
     finally:
         sys.path.remove(EXAMPLES)
+    from mmrl.compose import load_config
     from mmrl.config import TaskConfig
     from mmrl.reward import Reward
     from mmrl.task import Task
+    from mmrl.testing.contract import check_policy
 
     task = ColorTask(TaskConfig())
     assert isinstance(task, Task) and isinstance(BrightnessReward(), Reward)
     assert all("prompt" in ex for ex in task.sample(5, random.Random(0)) + task.eval_examples())
+    sys.path.insert(0, EXAMPLES)
+    try:
+        cfg = load_config(None, ["model.policy=tiny_generator:build", "model.path=", "sampler.num_steps=4",
+                                 "sampler.cfg_scale=1.0", "sampler.eval_cfg_scale=1.0"])
+    finally:
+        sys.path.remove(EXAMPLES)
+    assert check_policy(build(cfg), task.eval_examples(), 3)["max_ratio_error"] < 1e-5

@@ -5,6 +5,7 @@ import torch
 
 from mmrl.compose import load_config
 from mmrl.policy import POLICIES
+from mmrl.testing.contract import check_policy
 
 EXAMPLES = [{"prompt": "a red circle"}, {"prompt": "two squares"}]
 
@@ -31,6 +32,7 @@ def test_contract(tiny_pixel_model, kind, cfg_scale):
     assert torch.equal(ro.outputs, ro2.outputs) and torch.equal(ro.old_log_prob, ro2.old_log_prob)
     ro3 = pol.sample(EXAMPLES, 3, torch.Generator().manual_seed(1))
     assert not torch.equal(ro.outputs, ro3.outputs)
+    assert check_policy(pol, EXAMPLES, 3)["max_ratio_error"] < 1e-5  # the shared contract
     # on-policy ratio = 1 with unchanged weights, for every minibatch split
     for idx in (torch.arange(n), torch.tensor([4, 1]), torch.tensor([0])):
         out = pol.log_prob(ro, idx)

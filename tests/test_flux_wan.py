@@ -11,6 +11,7 @@ from mmrl.models.pipelines import flux_call
 from mmrl.models.tiny_pipelines import build_tiny_flux_pipeline, build_tiny_wan_pipeline
 from mmrl.policy import POLICIES
 from mmrl.policy.flow import load_policy_checkpoint
+from mmrl.testing.contract import check_policy
 
 PROMPTS = [{"prompt": "a red circle moving left"}, {"prompt": "a cat"}]
 
@@ -29,6 +30,7 @@ def policy(path, *items):
 
 
 def contract(pol, latent, output):
+    assert check_policy(pol, PROMPTS, 2)["max_ratio_error"] < 1e-5  # the shared contract
     ro = pol.sample(PROMPTS, 2, torch.Generator().manual_seed(0))
     assert ro.extras["latents"].shape == (4, 3, *latent) and ro.outputs.shape == (4, *output)
     assert torch.isfinite(ro.outputs).all() and ro.outputs.abs().max() <= 1

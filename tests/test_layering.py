@@ -28,7 +28,7 @@ LAYERS = [
     # 5 the loop, the reward server
     ["mmrl.trainer", "mmrl.reward_server"],
     # 6 tools on top of the loop
-    ["mmrl.plan", "mmrl.export", "mmrl.testing.memory", "mmrl.eval"],
+    ["mmrl.plan", "mmrl.export", "mmrl.testing.memory", "mmrl.testing.contract", "mmrl.eval"],
     # 7 the command line
     ["mmrl.cli"],
 ]

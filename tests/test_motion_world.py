@@ -12,6 +12,7 @@ from mmrl.compose import load_config
 from mmrl.policy import POLICIES
 from rewards.motion import MotionReward, score
 from tasks import motion as M
+from mmrl.testing.contract import check_policy
 
 
 def test_grammar_split_and_render():
@@ -66,6 +67,7 @@ def test_video_policy_contract(tiny_motion_model):
     pol = POLICIES["flow"](cfg)
     ex = [{"prompt": "a red circle moving left"}, {"prompt": "a blue square moving up"}]
     ro = pol.sample(ex, 3, torch.Generator().manual_seed(0))
+    assert check_policy(pol, ex, 3)["max_ratio_error"] < 1e-5  # the shared contract
     assert ro.outputs.shape == (6, 3, M.FRAMES, 16, 16) and ro.extras["latents"].shape[2:] == (3, M.FRAMES, 16, 16)
     assert torch.equal(pol.sample(ex, 3, torch.Generator().manual_seed(0)).outputs, ro.outputs)
     assert (pol.log_prob(ro, torch.arange(6)).log_prob - ro.old_log_prob).abs().max() < 1e-5

@@ -11,18 +11,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(*args):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    """A script as a user runs it: the installed package, no PYTHONPATH, no sys.path edits in the script."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.parametrize("script", ["scripts/bench_shapes.py", "scripts/pretrain_world.py", "scripts/bench_grounding.py",
-                                    "scripts/sft_grounding.py", "scripts/bench_vlm_step.py", "scripts/bench_prefix.py",
-                                    "scripts/export_smollm2.py", "scripts/bench_rollout.py", "scripts/bench_motion.py",
-                                    "scripts/bench_pairwise.py", "scripts/bench_reward_server.py",
-                                    "scripts/bench_memory.py", "scripts/gpu_check.py"])
+                                    "scripts/sft_grounding.py", "benchmarks/bench_vlm_step.py", "benchmarks/bench_prefix.py",
+                                    "scripts/export_smollm2.py", "benchmarks/bench_rollout.py", "scripts/bench_motion.py",
+                                    "scripts/bench_pairwise.py", "benchmarks/bench_reward_server.py",
+                                    "benchmarks/bench_memory.py", "scripts/gpu_check.py"])
 def test_help(script):
     r = run(script, "--help")
     assert r.returncode == 0 and "usage" in r.stdout
+    assert "sys.path" not in open(os.path.join(ROOT, script)).read()
 
 
 def test_bench_shapes_quick(tiny_pixel_model):
@@ -85,7 +87,7 @@ def test_pretrain_init_widens_to_coordinates(tiny_motion_model, tmp_path):
 
 def test_bench_rollout_quick():
     """Chain vs BranchGRPO variants on the shapes SD3 transformer: tree rollouts cost fewer transformer rows."""
-    r = run("scripts/bench_rollout.py", "--quick", "--threads", "1")
+    r = run("benchmarks/bench_rollout.py", "--quick", "--threads", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])["results"]
     assert set(res) == {"chain", "branch", "branch_pruned", "branch_mix"}
@@ -96,7 +98,7 @@ def test_bench_rollout_quick():
 
 def test_bench_prefix_quick():
     """Shared-prefix vs naive scoring on a small video prompt: both timed, log-probs and gradients equal."""
-    r = run("scripts/bench_prefix.py", "--quick", "--frames", "8", "--side", "56", "--repeats", "1", "--threads", "1")
+    r = run("benchmarks/bench_prefix.py", "--quick", "--frames", "8", "--side", "56", "--repeats", "1", "--threads", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["group"] == 4 and res["naive_s"] > 0 and res["shared_s"] > 0
@@ -112,7 +114,7 @@ def test_bench_pairwise_quick(tiny_pixel_model):
 
 def test_bench_reward_server_quick():
     """Loopback load on a real server process, then the killed server fails within its bound."""
-    r = run("scripts/bench_reward_server.py", "--quick", "--clients", "2", "--batch", "4")
+    r = run("benchmarks/bench_reward_server.py", "--quick", "--clients", "2", "--batch", "4")
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["load"]["requests"] > 0 and res["load"]["client_errors"] == 0

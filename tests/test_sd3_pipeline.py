@@ -8,6 +8,7 @@ from mmrl.compose import load_config
 from mmrl.models.tiny_pipelines import build_tiny_sd3_pipeline
 from mmrl.policy import POLICIES
 from mmrl.policy.flow import load_policy_checkpoint
+from mmrl.testing.contract import check_policy
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +25,7 @@ def test_sd3_pipeline_policy_contract(sd3_dir, lora, tmp_path):
     pol = POLICIES["flow"](cfg)
     assert pol.model.latent_shape == (16, 8, 8)
     ro = pol.sample([{"prompt": "a cat"}, {"prompt": "a red car"}], 2, torch.Generator().manual_seed(0))
+    assert check_policy(pol, [{"prompt": "a cat"}, {"prompt": "a red car"}])["max_ratio_error"] < 1e-5
     assert ro.outputs.shape == (4, 3, 16, 16)  # decoded by the VAE (x2 upsampling)
     assert ro.extras["latents"].shape == (4, 3, 16, 8, 8)
     ratio = torch.exp(pol.log_prob(ro, torch.arange(4)).log_prob - ro.old_log_prob)

@@ -10,6 +10,7 @@ from conftest import build_tiny_vl
 from mmrl.config import LoraConfig, SamplerConfig
 from mmrl.policy.vlm import TokenPolicy, load_token_model
 from mmrl.video import VideoError, VideoOptions
+from mmrl.testing.contract import check_policy
 
 VIDEO = VideoOptions(min_pixels=56 * 56, max_pixels=56 * 56)
 
@@ -62,6 +63,7 @@ def policy_and_examples(kind, media, tmp_path, world, **kw):
 def test_contract_vlm(kind, tmp_path, tiny_world):
     pol = policy_for(build_tiny_vl(str(tmp_path / kind), kind))
     _, exs = examples(tiny_world)
+    assert check_policy(pol, exs, 3)["max_ratio_error"] < 1e-5  # the shared contract
     ro = pol.sample(exs, 3, torch.Generator().manual_seed(0))
     n, c = ro.extras["completion_ids"].shape
     assert n == 6 and ro.old_log_prob.shape == (n, c) == ro.action_mask.shape
@@ -79,6 +81,7 @@ def test_contract_vlm(kind, tmp_path, tiny_world):
 
 def test_contract_causal_lm(tmp_path):
     pol, exs = policy_for(tiny_lm(tmp_path / "lm")), LM_PROMPTS
+    assert check_policy(pol, exs, 2)["max_ratio_error"] < 1e-5  # the shared contract
     assert not pol.is_vlm
     ro = pol.sample(exs, 2, torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -22,9 +22,9 @@ def none(policy, rollout, task):
 
 @OFFPOLICY.register("ground_truth")
 def ground_truth(policy, rollout, task):
-    if not hasattr(task, "reference_output") or not hasattr(policy, "replace_outputs"):
-        raise ValueError("algo.offpolicy=ground_truth needs a task with reference_output (e.g. grounding) and a "
-                         "policy with replace_outputs (e.g. vlm)")
+    if not hasattr(task, "reference_output"):
+        raise ValueError("algo.offpolicy=ground_truth needs a task with reference_output(example) (e.g. grounding): "
+                         "set algo.offpolicy=none")
     gid = rollout.group_id
     last = torch.tensor([int((gid == g).nonzero().max()) for g in torch.unique(gid)])  # [K] one row per group
     texts = [task.reference_output(rollout.examples[i]) for i in last.tolist()]

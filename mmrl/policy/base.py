@@ -3,38 +3,71 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Protocol
+from typing import Iterator, Protocol, runtime_checkable
 
 import torch
 
 from mmrl.data import PolicyOutput, Rollout
 
 
+@runtime_checkable
 class Policy(Protocol):
-    """Optional attribute `defer_old_log_prob: bool`: when the trainer sets it (one optimizer step per epoch),
-    `sample` may return NaN old log-probs and the trainer fills them from its first, still on-policy, forward."""
+    """Exactly what the trainer, the algorithms, checkpoints and `mmrl eval` use. Subclass `PolicyDefaults` to
+    get the optional members; `mmrl.testing.contract.check_policy` checks a policy against this contract."""
+
+    device: torch.device        # where its trained weights live; the loss runs there
+    samples_rows: bool          # sample(rows=...) gives any subset of a batch's rows (several processes)
+    scores_actions: bool        # log_prob(actions=...) recomputes only those actions (micro-batches of transitions)
+    defer_old_log_prob: bool    # set by the trainer: sample may return NaN old log-probs, filled by its first forward
 
     def sample(self, examples: list[dict], group_size: int, generator: torch.Generator) -> Rollout:
-        """Sample group_size outputs per example. Returns a Rollout of N = len(examples) * group_size rows."""
+        """Sample group_size outputs per example: a Rollout of N = len(examples) * group_size rows."""
 
     def log_prob(self, rollout: Rollout, index: torch.Tensor) -> PolicyOutput:
-        """Recompute log-probs [n, A] (with grad) of the stored actions of rows `index` [n]. A policy whose
-        actions score independently sets `scores_actions = True` and also takes `actions` [n, A] bool: only
-        those are recomputed, the others keep their old values (the trainer's micro-batches of transitions)."""
+        """Recompute log-probs [n, A] (with grad) of the stored actions of rows `index` [n]."""
 
     def reference(self) -> contextlib.AbstractContextManager:
         """Context in which log_prob runs the KL reference (adapters disabled, or a frozen copy)."""
 
     def trainable_parameters(self) -> Iterator[torch.nn.Parameter]: ...
 
+    def trainable_modules(self) -> list[torch.nn.Module]:
+        """The trained networks (DDP / FSDP wrap them; checkpoints gather them)."""
+
+    def parallelize(self, wrap, parallel: str) -> None:
+        """Route every forward of the trained networks through `wrap(module)` (DDP / FSDP2)."""
+
+    def enable_gradient_checkpointing(self) -> None: ...
+
+    def sync_weights(self) -> None:
+        """After an iteration's optimizer steps: a rollout engine with its own weight copy (vLLM) reloads."""
+
+    def replace_outputs(self, rollout: Rollout, rows: torch.Tensor, outputs: list) -> Rollout:
+        """Off-policy injection (TempSamp-R1): rows' outputs replaced by given ones, their old log-probs recomputed."""
+
     def save_pretrained(self, path: str) -> None: ...
 
     def load_trainable_state(self, path: str) -> None:
-        """Load trainable weights written by save_pretrained (resume)."""
+        """Load trainable weights written by save_pretrained (mmrl eval)."""
 
     @torch.no_grad()
     def evaluate(self, examples: list[dict], seed: int) -> object:
-        """Deterministic evaluation outputs (e.g. ODE samples) for examples."""
+        """Deterministic evaluation outputs (ODE samples, greedy answers), one per example."""
+
+
+class PolicyDefaults:
+    """The optional members of `Policy` with their defaults, for a policy to subclass."""
+
+    samples_rows = False
+    scores_actions = False
+    defer_old_log_prob = False
+
+    def sync_weights(self) -> None:
+        pass
+
+    def replace_outputs(self, rollout: Rollout, rows: torch.Tensor, outputs: list) -> Rollout:
+        raise NotImplementedError(f"{type(self).__name__} cannot replace its outputs (algo.offpolicy=ground_truth needs "
+                                  f"a token policy): set algo.offpolicy=none")
 
 
 ADAPTER_FILE = "adapter_model.safetensors"

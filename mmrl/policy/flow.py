@@ -18,7 +18,8 @@ import torch
 
 from mmrl.cache import BoundedCache
 from mmrl.data import PolicyOutput, Rollout, group_ids
-from mmrl.policy.base import load_lora_adapter, reference_kind, save_lora_adapter, upcast_trainable, write_policy_meta
+from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, save_lora_adapter, upcast_trainable,
+                              write_policy_meta)
 from mmrl.models.flow_model import EXPERTS, FlowModel, sigma_schedule
 from mmrl.models.pipelines import load_flow_model
 from mmrl.rollout.tree import run_tree, trained_steps
@@ -27,7 +28,7 @@ from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std
 WEIGHTS_FILE = "trainable.safetensors"
 
 
-class FlowPolicy:
+class FlowPolicy(PolicyDefaults):
     def __init__(self, model: FlowModel, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = "",
                  progress: bool = False, tree_cfg=None, model_options: dict | None = None, micro_batch: int = 0,
                  text_cache: int = 1024, offload: bool = False):

@@ -24,7 +24,8 @@ import os
 
 import torch
 from mmrl.data import PolicyOutput, Rollout, group_ids
-from mmrl.policy.base import load_lora_adapter, reference_kind, save_lora_adapter, upcast_trainable, write_policy_meta
+from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, save_lora_adapter, upcast_trainable,
+                              write_policy_meta)
 from mmrl.rollout.engine import HFEngine, PrefixCacheEngine, SamplingParams, completion_mask
 from mmrl.cache import BoundedCache
 from mmrl.video import VideoCache, VideoError, VideoOptions
@@ -47,7 +48,7 @@ def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torc
     return torch.stack(logps), torch.stack(ents)
 
 
-class TokenPolicy:
+class TokenPolicy(PolicyDefaults):
     def __init__(self, model, processor, sampler_cfg, lora_cfg, video: VideoOptions | None = None,
                  freeze_vision: bool = True, reference: str = "auto", model_path: str = "",
                  video_on_error: str = "raise", cache_size: int = 512, shared_prefix: bool = True,

@@ -3,7 +3,7 @@
 `measure(config, overrides)` builds a Trainer, samples one rollout, then runs one training pass (one minibatch,
 gradients kept); it reports the process's peak resident memory (VmHWM, reset through /proc/self/clear_refs
 after malloc_trim returns freed heap) minus its resident memory before each phase: what the phase added at its
-peak. scripts/bench_memory.py and the check of `mmrl plan` against reality use it.
+peak. benchmarks/bench_memory.py and the check of `mmrl plan` against reality use it.
 """
 
 from __future__ import annotations

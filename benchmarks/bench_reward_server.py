@@ -1,7 +1,7 @@
 """Loopback load test of the reward server (mmrl/reward_server.py), and its failure when killed.
 
-    python scripts/bench_reward_server.py                  # 4 clients x 16 images per request, 15 s
-    python scripts/bench_reward_server.py --quick          # 3 s
+    python benchmarks/bench_reward_server.py                  # 4 clients x 16 images per request, 15 s
+    python benchmarks/bench_reward_server.py --quick          # 3 s
 
 Starts `mmrl serve-reward REWARD` in its own process, scores the same images in-process first (the reference
 throughput), then runs --clients threads that each send requests of --batch images back to back for --seconds.
@@ -22,7 +22,6 @@ import threading
 import time
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

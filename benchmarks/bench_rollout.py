@@ -1,8 +1,8 @@
 """Rollout + training cost per iteration: chain Flow-GRPO vs BranchGRPO, BranchGRPO pruned and BranchGRPO-Mix,
 side by side in one process, on the same small SD3 transformer (the shapes world's SD3Transformer2DModel).
 
-    python scripts/bench_rollout.py --threads 2            # 20 steps, splits 0,3,6,9, 16 leaves, 2 prompts
-    python scripts/bench_rollout.py --quick                # 8 steps, splits 0,1,2,3, 1 prompt, 1 iteration
+    python benchmarks/bench_rollout.py --threads 2            # 20 steps, splits 0,3,6,9, 16 leaves, 2 prompts
+    python benchmarks/bench_rollout.py --quick                # 8 steps, splits 0,1,2,3, 1 prompt, 1 iteration
 
 Every variant makes 16 final images per prompt and runs full `Trainer.step`s (rollout, reward, advantages,
 one epoch of training). Counted per iteration: transformer rows in sampling (no grad) and in training (with
@@ -15,13 +15,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

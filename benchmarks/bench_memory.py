@@ -4,8 +4,8 @@ rollout, with the gradient difference between the two (it must be rounding only)
 - flow: the shapes world's SD3Transformer2DModel (tasks/assets/shapes-base), the main job's sampler;
 - token: a small Qwen2.5-VL (real class, random init) on the embedded grounding world's mp4 videos.
 
-    python scripts/bench_memory.py               # flow 8 prompts x 8, token 4 prompts x 8
-    python scripts/bench_memory.py --quick       # flow 2 x 8, token 2 x 4
+    python benchmarks/bench_memory.py               # flow 8 prompts x 8, token 4 prompts x 8
+    python benchmarks/bench_memory.py --quick       # flow 2 x 8, token 2 x 4
 
 Each configuration runs in a fresh process (mmrl/testing/memory.py): peak = the memory a phase added at its peak. Training runs one minibatch (one optimizer step, whose gradient is
 kept and compared). The last line is one JSON object.

@@ -8,8 +8,8 @@ each (CUDA: max_memory_allocated; CPU: a child process per mode, its peak RSS du
 RSS before them) and checks that log-probs and
 every gradient agree.
 
-    python scripts/bench_prefix.py            # G 8, 64 frames of 168x168 (1,152 video tokens), 64-token completions
-    python scripts/bench_prefix.py --quick    # G 4, 16 frames (288 video tokens), 16-token completions
+    python benchmarks/bench_prefix.py            # G 8, 64 frames of 168x168 (1,152 video tokens), 64-token completions
+    python benchmarks/bench_prefix.py --quick    # G 4, 16 frames (288 video tokens), 16-token completions
 
 The last line is one JSON object.
 """
@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 PROMPT = "When does the red circle appear?"

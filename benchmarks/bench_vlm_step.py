@@ -11,9 +11,9 @@ Where the time goes: decoding costs both frameworks the same per-token forwards;
 (each prompt and its image run once per group, in sampling and in scoring). So the ratio falls as the image
 grows: with 56x56 images (4 visual tokens) decoding is most of a step and the ratio is near 0.7.
 
-    python scripts/bench_vlm_step.py            # P 4, G 8, L 32, 224 px, 4 timed steps each
-    python scripts/bench_vlm_step.py --image-size 56
-    python scripts/bench_vlm_step.py --quick    # P 2, G 4, L 16, 2 timed steps each
+    python benchmarks/bench_vlm_step.py            # P 4, G 8, L 32, 224 px, 4 timed steps each
+    python benchmarks/bench_vlm_step.py --image-size 56
+    python benchmarks/bench_vlm_step.py --quick    # P 2, G 4, L 16, 2 timed steps each
 
 The last line is one JSON object: median seconds per step for each, and the ratio mmrl / TRL.
 """
@@ -24,11 +24,9 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
