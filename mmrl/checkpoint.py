@@ -62,34 +62,31 @@ def prune(folder: str, keep: int) -> None:
 
 
 def save_trainer(tr) -> str:
-    """checkpoints/iter-N of trainer `tr` (mmrl.trainer.Trainer). Rank 0 writes (atomically); every rank takes part in gathering sharded weights (FSDP: each rank also
-    writes its optimizer shard into the same folder, which needs a filesystem all ranks share), then all
-    check that their parameters agree."""
+    """checkpoints/iter-N of trainer `tr` (mmrl.trainer.Trainer). Rank 0 writes (atomically); every rank takes part
+    in gathering sharded weights (FSDP: each rank also writes its optimizer shard into the same folder, which
+    needs a filesystem all ranks share), then all check that their parameters agree."""
     path = os.path.join(tr.cfg.log.out_dir, "checkpoints", f"iter-{tr.iteration:06d}")
     fsdp = tr.dist.world > 1 and tr.cfg.train.parallel == "fsdp"
     params = [full(p).detach().clone() for p in tr.params]     # a collective under FSDP: every rank
-    ema = [full(e).clone() for e in tr.ema] if tr.ema is not None else None
-    tr._swap_ema()  # the saved policy is the EMA one when enabled; raw weights go to trainer_state
-    try:
-        with unsharded(tr.policy.trainable_modules() if fsdp else []), contextlib.ExitStack() as stack:
-            tmp = stack.enter_context(atomic_dir(path)) if tr.dist.main else None
-            tmp = tr.dist.broadcast_object(tmp)
-            if fsdp:  # optimizer state is sharded like the parameters: one file per rank
-                torch.save(local_state(tr.opt.state_dict()), os.path.join(tmp, f"optimizer-rank{tr.dist.rank}.pt"))
-            tr.dist.barrier()  # every shard is in the folder before rank 0 publishes it
-            if tr.dist.main:
-                tr.policy.save_pretrained(os.path.join(tmp, "policy"))
-                state = {"iteration": tr.iteration, "optimizer": None if fsdp else tr.opt.state_dict(),
-                         "params": params, "ema": ema, "torch_rng": torch.get_rng_state(),
-                         "elapsed_min": tr.elapsed_min,
-                         "world": tr.dist.world, "parallel": tr.cfg.train.parallel}
-                torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-                with open(os.path.join(tmp, "config.json"), "w") as f:
-                    json.dump(to_dict(tr.cfg), f, indent=2)
+    ema = [full(e).clone() for e in tr.ema.shadow] if tr.ema is not None else None
+    # the saved policy is the EMA one when enabled; raw weights go to trainer_state
+    with tr.ema_weights(), unsharded(tr.policy.trainable_modules() if fsdp else []), contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(atomic_dir(path)) if tr.dist.main else None
+        tmp = tr.dist.broadcast_object(tmp)
+        if fsdp:  # optimizer state is sharded like the parameters: one file per rank
+            torch.save(local_state(tr.opt.state_dict()), os.path.join(tmp, f"optimizer-rank{tr.dist.rank}.pt"))
+        tr.dist.barrier()  # every shard is in the folder before rank 0 publishes it
         if tr.dist.main:
-            prune(os.path.dirname(path), tr.cfg.log.keep_checkpoints)
-    finally:
-        tr._swap_ema()
+            tr.policy.save_pretrained(os.path.join(tmp, "policy"))
+            state = {"iteration": tr.iteration, "optimizer": None if fsdp else tr.opt.state_dict(),
+                     "params": params, "ema": ema, "torch_rng": torch.get_rng_state(),
+                     "elapsed_min": tr.elapsed_min,
+                     "world": tr.dist.world, "parallel": tr.cfg.train.parallel}
+            torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(to_dict(tr.cfg), f, indent=2)
+    if tr.dist.main:
+        prune(os.path.dirname(path), tr.cfg.log.keep_checkpoints)
     tr.dist.barrier()
     tr.dist.check_in_sync(tr.params)
     return path
@@ -110,7 +107,7 @@ def resume_trainer(tr) -> bool:
         for p, v in zip(tr.params, state["params"]):
             p.copy_(shard_like(v, p))
         if state["ema"] is not None and tr.ema is not None:
-            for e, v in zip(tr.ema, state["ema"]):
+            for e, v in zip(tr.ema.shadow, state["ema"]):
                 e.copy_(shard_like(v, e))
     if sharded:
         opt = torch.load(os.path.join(path, f"optimizer-rank{tr.dist.rank}.pt"), weights_only=True)

@@ -102,3 +102,25 @@ class PolicyOutput:
 def group_ids(batch_size: int, group_size: int) -> torch.Tensor:
     """[B * G] group ids 0,0,..,1,1,.. for B prompts each repeated group_size times."""
     return torch.arange(batch_size).repeat_interleave(group_size)
+
+
+def micro_batches(action_mask: torch.Tensor, idx: torch.Tensor, size: int, per_action: bool):
+    """(rows [n'], actions [n', A] bool or None) parts of minibatch `idx` with at most `size` rows per training
+    forward (0 = the whole minibatch): transitions when the policy scores actions independently (`per_action`,
+    flow), whole sequences otherwise. None = every trained action of the rows. action_mask: [N, A]."""
+    if not size:
+        yield idx, None
+        return
+    if not per_action:
+        yield from ((part, None) for part in idx.split(size))
+        return
+    mask = action_mask[idx]                                                # [n, A]
+    pairs = mask.nonzero()                                                 # [k, 2] (row in idx, action)
+    if not len(pairs):
+        yield idx, None
+        return
+    for chunk in pairs.split(size):
+        rows, inv = torch.unique(chunk[:, 0], return_inverse=True)
+        actions = torch.zeros(len(rows), mask.shape[1], dtype=torch.bool)
+        actions[inv, chunk[:, 1]] = True
+        yield idx[rows], actions

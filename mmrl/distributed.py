@@ -64,6 +64,28 @@ class Distributed:
         """This rank's contiguous share of n rows."""
         return torch.arange(n * self.rank // self.world, n * (self.rank + 1) // self.world)
 
+    def check_config(self, cfg) -> None:
+        """Refuse what several processes do not support yet, naming the fix."""
+        if cfg.algo.dynamic_sampling or cfg.reward.workers or cfg.tree.split_steps or cfg.train.micro_batch:
+            # micro-batches: ranks would run different numbers of backward passes (DDP / FSDP collectives hang)
+            raise ValueError("several processes do not support algo.dynamic_sampling, reward.workers, tree "
+                             "rollouts or train.micro_batch yet: turn them off, or run in one process")
+        n = cfg.train.prompts_per_iter * cfg.train.group_size
+        if n < self.world:
+            raise ValueError(f"prompts_per_iter * group_size = {n} rows for {self.world} processes")
+
+    def sample(self, policy, examples: list[dict], group_size: int, gen: torch.Generator):
+        """One group per example; with several processes, this rank's share: its contiguous range of the B * G
+        rows (policies that sample by row) or of the B groups (global group ids either way)."""
+        if self.world == 1:
+            return policy.sample(examples, group_size, gen)
+        if policy.samples_rows:
+            return policy.sample(examples, group_size, gen, rows=self.rows(len(examples) * group_size))
+        share = self.rows(len(examples))
+        ro = policy.sample([examples[i] for i in share.tolist()], group_size, gen)
+        ro.group_id = ro.group_id + int(share[0]) if len(share) else ro.group_id
+        return ro
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate [n_r, ...] tensors of every rank in rank order (n_r may differ)."""
         return x if self.world == 1 else torch.cat(self.gather_list([x.cpu()])).to(x.device)

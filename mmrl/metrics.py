@@ -4,10 +4,13 @@ completion tables for token policies."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def video_strips(videos: torch.Tensor, max_frames: int = 8) -> torch.Tensor:
@@ -39,6 +42,17 @@ class Logger:
         if self.tb:
             for k, v in values.items():
                 self.tb.add_scalar(k, v, step)
+
+    def samples(self, step: int, outputs, examples: list[dict], rewards: torch.Tensor, group_size: int,
+                limit: int = 32) -> None:
+        """The first `limit` samples of a rollout: an image grid / video strips with their prompts (one group per
+        row), or a table of completions with prompts and rewards."""
+        k = min(len(examples), limit)
+        prompts = [e["prompt"] for e in examples[:k]]
+        if isinstance(outputs, torch.Tensor):
+            self.images(step, "samples", outputs[:k], prompts, nrow=group_size)
+        else:
+            self.texts(step, "samples", prompts, list(outputs[:k]), rewards[:k].tolist())
 
     def images(self, step: int, tag: str, images: torch.Tensor, captions: list[str], nrow: int = 8) -> None:
         """images [N, 3, H, W] in [-1, 1] -> one grid image, and the captions in grid order as text.
@@ -91,3 +105,39 @@ class Timer:
         out = {f"time/{k}": v for k, v in self.t.items()}
         self.t = {}
         return out
+
+
+def per_category(examples: list[dict], rewards: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
+    """{"reward_by_category/<c>": mean reward of the valid samples whose example has category c}."""
+    cats = [e.get("category") for e in examples]
+    out = {}
+    for c in sorted({c for c in cats if c}):
+        m = torch.tensor([x == c for x in cats]) & valid
+        if m.any():
+            out[f"reward_by_category/{c}"] = rewards[m].mean().item()
+    return out
+
+
+class SignalWatch:
+    """No run goes on training on nothing: an iteration whose failed rewards exceed reward.max_failed_fraction
+    stops the run, naming the reward and the fix; advantages that stay all zero (constant rewards in every
+    group) are warned about every `patience` iterations (train.zero_signal_patience)."""
+
+    def __init__(self, reward_cfg, task_name: str, patience: int):
+        self.reward_cfg, self.task_name, self.patience = reward_cfg, task_name, patience
+        self.zero_iters = 0  # iterations in a row whose advantages were all zero
+
+    def __call__(self, valid: torch.Tensor, adv: torch.Tensor, last_error: str | None) -> None:
+        r, n = self.reward_cfg, len(valid)
+        failed = int((~valid).sum())
+        if failed > r.max_failed_fraction * n:
+            raise RuntimeError(
+                f"reward {r.name!r} failed on {failed} of {n} samples this iteration (reward.max_failed_fraction="
+                f"{r.max_failed_fraction}); last error: {last_error or 'NaN/inf scores'}. Fix: use a reward that "
+                f"scores this task's outputs (task.name={self.task_name!r}), fix the reward's inputs, or raise "
+                f"reward.max_failed_fraction to tolerate it")
+        self.zero_iters = self.zero_iters + 1 if not bool((adv[valid] != 0).any()) else 0
+        if self.patience and self.zero_iters >= self.patience and self.zero_iters % self.patience == 0:
+            log.warning("NO LEARNING SIGNAL: every advantage has been 0 for %d iterations (each group's rewards are "
+                        "equal). Check the reward on these outputs, raise train.group_size or sampler.noise_level, or "
+                        "set algo.dynamic_sampling=true", self.zero_iters)

@@ -29,10 +29,11 @@ from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS
 from mmrl.algorithms.advantages import group_stats
 from mmrl.algorithms.offpolicy import injection_diagnostics
 from mmrl.config import Config
-from mmrl.data import Rollout
+from mmrl.data import Rollout, micro_batches
 from mmrl.distributed import Distributed, full
 from mmrl.evaluation import evaluate_outputs
-from mmrl.metrics import Logger, Timer
+from mmrl.metrics import Logger, SignalWatch, Timer, per_category
+from mmrl.optim import EMA, lr_scale
 from mmrl.reward import RewardRunner
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class Trainer:
         if cfg.train.gradient_checkpointing:
             self.policy.enable_gradient_checkpointing()
         if self.dist.world > 1:
-            self._check_parallel_config()
+            self.dist.check_config(cfg)
             self.policy.parallelize(lambda m: self.dist.wrap(m, cfg.train.mixed_precision), cfg.train.parallel)
         with self.dist.main_first():  # a task that writes its data (the grounding world) does it once
             self.task = compose.build_task(cfg.task)
@@ -64,9 +65,9 @@ class Trainer:
         if not self.params:
             raise ValueError("the policy has no trainable parameters (check model.lora settings)")
         self.opt = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-        self.ema = [p.detach().clone() for p in self.params] if cfg.train.ema_decay > 0 else None
+        self.ema = EMA(self.params, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
         self.iteration = 0
-        self._zero_iters = 0  # iterations in a row whose advantages were all zero
+        self.watch = SignalWatch(cfg.reward, cfg.task.name, cfg.train.zero_signal_patience)
         self.elapsed_min = 0.0  # training minutes so far (saved: a resumed run keeps its budget and lr schedule)
         # One optimizer step per epoch: every row's first forward runs under the sampling weights, so the
         # rollout's old log-probs are that forward's (detached) values; policies that must pay an extra
@@ -126,13 +127,13 @@ class Trainer:
         adv, adv_stats = self.credit({**rewards, "overall": shaped}, getattr(self.reward_fn, "weights", None), rollout,
                                      valid, cfg, it)  # [N] or [N, A] (tree rollouts: per transition)
         adv_fn = lambda r, g, v: ADVANTAGES[a.advantage](r, g, v, a)[0]  # noqa: E731
-        self._check_signal(valid, adv)
+        self.watch(valid, adv, self.reward.last_error)
         rollout.action_mask &= valid.unsqueeze(-1)
         metrics.update({f"reward/{k}_mean": v[valid].mean().item() if valid.any() else 0.0 for k, v in rewards.items()})
         metrics["reward/overall_std"] = rewards["overall"][valid].std().item() if valid.sum() > 1 else 0.0
         metrics.update(adv_stats)
         metrics.update(injection_diagnostics(shaped, rollout.group_id, valid, rollout.is_offpolicy, adv_fn))
-        metrics.update(self._per_category(rollout, rewards, valid))
+        metrics.update(per_category(rollout.examples, rewards["overall"], valid))
         if self.dist.world > 1:  # back to this rank's rows
             (rollout, valid), adv = local, adv[self._local_rows]
             rollout.action_mask &= valid.unsqueeze(-1)
@@ -140,12 +141,7 @@ class Trainer:
             metrics.update(self.optimize(rollout, adv))
         metrics.update(self.timer.pop())
         if cfg.log.image_every and it % cfg.log.image_every == 0:
-            k = min(len(rollout), 32)
-            prompts = [e["prompt"] for e in rollout.examples[:k]]
-            if isinstance(rollout.outputs, torch.Tensor):
-                self.logger.images(it, "samples", rollout.outputs[:k], prompts, nrow=t.group_size)
-            else:
-                self.logger.texts(it, "samples", prompts, rollout.outputs[:k], rewards["overall"][:k].tolist())
+            self.logger.samples(it, rollout.outputs, rollout.examples, rewards["overall"], t.group_size)
         return metrics
 
     def _collect(self, rng: random.Random, gen: torch.Generator):
@@ -182,9 +178,9 @@ class Trainer:
         (a remote reward then runs fully in parallel); the chunks are joined in order."""
         a, r = self.cfg.algo, self.cfg.reward
 
-        def sample(chunk):
-            with self.timer("rollout"):
-                rollout = self._sample(chunk, gen)
+        def sample(chunk):  # sampling computes like the training forward (bf16 under mixed precision)
+            with self.timer("rollout"), self._autocast():
+                rollout = self.dist.sample(self.policy, chunk, self.cfg.train.group_size, gen)
                 return OFFPOLICY[a.offpolicy](self.policy, rollout, self.task)[0]
 
         if self.reward_pool is None:
@@ -211,33 +207,6 @@ class Trainer:
         if t.mixed_precision != "bf16" or (t.parallel == "fsdp" and self.dist.world > 1):
             return contextlib.nullcontext()
         return torch.autocast(torch.device(self.policy.device).type, dtype=torch.bfloat16)
-
-    def _sample(self, examples: list[dict], gen: torch.Generator) -> Rollout:
-        """One group per example; with several processes, this rank's share: its contiguous range of the
-        B * G rows (policies that sample by row) or of the B groups (global group ids either way)."""
-        with self._autocast():  # sampling computes like the training forward (bf16 under mixed precision)
-            return self._sample_rows(examples, gen)
-
-    def _sample_rows(self, examples: list[dict], gen: torch.Generator) -> Rollout:
-        g, d = self.cfg.train.group_size, self.dist
-        if d.world == 1:
-            return self.policy.sample(examples, g, gen)
-        if self.policy.samples_rows:
-            return self.policy.sample(examples, g, gen, rows=d.rows(len(examples) * g))
-        share = d.rows(len(examples))
-        ro = self.policy.sample([examples[i] for i in share.tolist()], g, gen)
-        ro.group_id = ro.group_id + int(share[0]) if len(share) else ro.group_id
-        return ro
-
-    def _check_parallel_config(self) -> None:
-        cfg = self.cfg
-        if cfg.algo.dynamic_sampling or cfg.reward.workers or cfg.tree.split_steps or cfg.train.micro_batch:
-            # micro-batches: ranks would run different numbers of backward passes (DDP / FSDP collectives hang)
-            raise ValueError("several processes do not support algo.dynamic_sampling, reward.workers, tree "
-                             "rollouts or train.micro_batch yet: turn them off, or run in one process")
-        n = cfg.train.prompts_per_iter * cfg.train.group_size
-        if n < self.dist.world:
-            raise ValueError(f"prompts_per_iter * group_size = {n} rows for {self.dist.world} processes")
 
     def optimize(self, rollout: Rollout, adv: torch.Tensor) -> dict:
         if self.dist.world > 1:
@@ -266,14 +235,15 @@ class Trainer:
                 first = m - m % t.grad_accum
                 step_rows = torch.cat(chunks[first:first + t.grad_accum])
                 n_step, a_step = len(step_rows) / w, max(int(row_actions[step_rows].sum()), 1) / w
-                for part, actions in self._micro_batches(rollout, idx):
+                for part, actions in micro_batches(rollout.action_mask, idx, t.micro_batch, self.policy.scores_actions):
                     self._accumulate(rollout, part, actions, adv, n_step, a_step, weight, steps, stats, ratios)
                 if (m + 1) % t.grad_accum == 0:
                     stats.setdefault("grad_norm", []).append(
                         full(torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm)).item())
                     self.opt.step()
                     self.opt.zero_grad(set_to_none=True)
-                    self._ema_update()
+                    if self.ema is not None:
+                        self.ema.update()
                     steps += 1
         out = {f"train/{k}": sum(v) / len(v) for k, v in stats.items()}
         out["train/clip_frac"] = out.pop("train/clipped", 0.0)
@@ -286,28 +256,6 @@ class Trainer:
         if steps:  # an engine with its own weight copy (vLLM) reloads
             self.policy.sync_weights()
         return out
-
-    def _micro_batches(self, rollout: Rollout, idx: torch.Tensor):
-        """(rows [n'], actions [n', A] bool or None) parts of minibatch `idx` with at most train.micro_batch rows
-        per training forward: transitions for policies that score actions independently (flow:
-        `policy.scores_actions`), whole sequences otherwise. None = every trained action of the rows."""
-        size = self.cfg.train.micro_batch
-        if not size:
-            yield idx, None
-            return
-        if not self.policy.scores_actions:
-            yield from ((part, None) for part in idx.split(size))
-            return
-        mask = rollout.action_mask[idx]                                        # [n, A]
-        pairs = mask.nonzero()                                                 # [k, 2] (row in idx, action)
-        if not len(pairs):
-            yield idx, None
-            return
-        for chunk in pairs.split(size):
-            rows, inv = torch.unique(chunk[:, 0], return_inverse=True)
-            actions = torch.zeros(len(rows), mask.shape[1], dtype=torch.bool)
-            actions[inv, chunk[:, 1]] = True
-            yield idx[rows], actions
 
     def _accumulate(self, rollout, idx, actions, adv, n_step, a_step, weight, steps, stats, ratios) -> None:
         """Forward and backward of rows `idx` (only `actions` [n, A] when given) with the loss normalized by the
@@ -354,55 +302,16 @@ class Trainer:
         ratios.append(((s["ratio"] * part).sum(0), part.sum(0)))
 
     # -------------------------------------------------------------------------------------------- helpers
-    def _check_signal(self, valid: torch.Tensor, adv: torch.Tensor) -> None:
-        """No run goes on training on nothing: too many failed rewards stop it; advantages that stay all zero
-        (constant rewards in every group) are warned about after train.zero_signal_patience iterations."""
-        r, n = self.cfg.reward, len(valid)
-        failed = int((~valid).sum())
-        if failed > r.max_failed_fraction * n:
-            raise RuntimeError(
-                f"reward {r.name!r} failed on {failed} of {n} samples this iteration (reward.max_failed_fraction="
-                f"{r.max_failed_fraction}); last error: {self.reward.last_error or 'NaN/inf scores'}. Fix: use a "
-                f"reward that scores this task's outputs (task.name={self.cfg.task.name!r}), fix the reward's inputs, "
-                f"or raise reward.max_failed_fraction to tolerate it")
-        self._zero_iters = self._zero_iters + 1 if not bool((adv[valid] != 0).any()) else 0
-        patience = self.cfg.train.zero_signal_patience
-        if patience and self._zero_iters >= patience and self._zero_iters % patience == 0:
-            log.warning("NO LEARNING SIGNAL: every advantage has been 0 for %d iterations (each group's rewards are "
-                        "equal). Check the reward on these outputs, raise train.group_size or sampler.noise_level, or "
-                        "set algo.dynamic_sampling=true", self._zero_iters)
-
-    def _per_category(self, rollout, rewards, valid) -> dict:
-        cats = [e.get("category") for e in rollout.examples]
-        out = {}
-        for c in sorted({c for c in cats if c}):
-            m = torch.tensor([x == c for x in cats]) & valid
-            if m.any():
-                out[f"reward_by_category/{c}"] = rewards["overall"][m].mean().item()
-        return out
-
-    def _ema_update(self) -> None:
-        if self.ema is not None:
-            with torch.no_grad():
-                torch._foreach_lerp_(self.ema, [p.detach() for p in self.params], 1 - self.cfg.train.ema_decay)
-
-    def _swap_ema(self) -> None:
-        if self.ema is not None:
-            with torch.no_grad():
-                for p, e in zip(self.params, self.ema):
-                    tmp = p.detach().clone()
-                    p.copy_(e)
-                    e.copy_(tmp)
+    def ema_weights(self):
+        """The EMA weights in the policy while the context runs (evaluation, saving); nothing when EMA is off."""
+        return self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
 
     def evaluate(self, step: int) -> dict:
         """Held-out benchmark of the current (EMA when enabled) weights; logged as eval/*."""
-        self._swap_ema()
-        try:
+        with self.ema_weights():
             # through the runner: a sample whose reward fails scores 0 (and is logged) instead of ending the run
             res = evaluate_outputs(self.policy.evaluate, self.task.eval_examples(), lambda o, e: self.eval_reward(o, e)[0],
                                    seed=10_000, progress=self.cfg.log.progress)
-        finally:
-            self._swap_ema()
         flat = {f"eval/{k}": v for k, v in res.items() if k not in ("per_category", "n")}
         for c, d in res["per_category"].items():
             flat.update({f"eval_by_category/{c}/{k}": v for k, v in d.items() if k != "n"})
@@ -418,17 +327,6 @@ class Trainer:
     def resume(self) -> bool:
         """Load the latest checkpoint in log.out_dir; False when there is none."""
         return ckpt.resume_trainer(self)
-
-
-def lr_scale(it: int, iterations: int, elapsed_min: float, budget_min: float, warmup: int, cooldown: float) -> float:
-    """Learning-rate multiplier at iteration `it`: linear warm-up over `warmup` iterations, then constant, then a
-    linear decay to 0 over the last `cooldown` fraction of the run. Progress is the larger of it / iterations and
-    elapsed / budget (when a time budget is set), so a time-budgeted run cools down before its budget ends."""
-    scale = min(1.0, (it + 1) / warmup) if warmup > 0 else 1.0
-    if cooldown > 0:
-        progress = max(it / iterations, elapsed_min / budget_min if budget_min > 0 else 0.0)
-        scale *= min(1.0, max(0.0, 1.0 - progress) / cooldown)
-    return scale
 
 
 def train(cfg: Config, resume: bool = False) -> dict:

@@ -9,7 +9,7 @@ import torch
 from mmrl.algorithms import ADVANTAGES, RATIO_TRANSFORMS
 from mmrl.algorithms.offpolicy import injection_diagnostics
 from mmrl.config import AlgoConfig
-from mmrl.data import Rollout
+from mmrl.data import Rollout, micro_batches
 
 
 def _ro(mask, n_groups=1, a=None):
@@ -144,4 +144,4 @@ def test_token_micro_batches_give_the_whole_minibatch_update(tiny_vl, tiny_world
     scale = max(p.grad.abs().max().item() for p in whole.params)
     diff = max((p.grad - q.grad).abs().max().item() for p, q in zip(whole.params, parts.params))
     assert scale > 0 and diff < 1e-5 * scale
-    assert len(list(parts._micro_batches(ro, torch.arange(6)))) == 3
+    assert len(list(micro_batches(ro.action_mask, torch.arange(6), parts.cfg.train.micro_batch, False))) == 3

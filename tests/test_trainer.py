@@ -5,7 +5,9 @@ import torch
 
 from mmrl.compose import load_config
 from mmrl.reward import REWARDS
-from mmrl.trainer import Trainer, lr_scale
+from mmrl.data import micro_batches
+from mmrl.optim import lr_scale
+from mmrl.trainer import Trainer
 
 
 @REWARDS.register("test_flaky")
@@ -105,7 +107,7 @@ def test_micro_batches_give_the_whole_minibatch_gradient(tiny_pixel_model, tmp_p
     torch.testing.assert_close(rollouts[0].outputs, rollouts[1].outputs, atol=1e-6, rtol=0)
     diff = max((a - b).abs().max().item() for a, b in zip(*grads))
     assert diff < 1e-5 * max(g.abs().max().item() for g in grads[0])
-    assert len(list(tr._micro_batches(ro, torch.arange(len(ro))))) == 5  # 6 samples x 3 steps in parts of 4
+    assert len(list(micro_batches(ro.action_mask, torch.arange(len(ro)), 4, True))) == 5  # 6 samples x 3 steps in parts of 4
 
 
 @pytest.mark.parametrize("config", ["shapes_grpo", "shapes_tempflow_guard", "shapes_branchgrpo",

@@ -1,0 +1,46 @@
+"""Optimizer-side helpers of the loop: the learning-rate schedule and an EMA of the trained weights."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def lr_scale(it: int, iterations: int, elapsed_min: float, budget_min: float, warmup: int, cooldown: float) -> float:
+    """Learning-rate multiplier at iteration `it`: linear warm-up over `warmup` iterations, then constant, then a
+    linear decay to 0 over the last `cooldown` fraction of the run. Progress is the larger of it / iterations and
+    elapsed / budget (when a time budget is set), so a time-budgeted run cools down before its budget ends."""
+    scale = min(1.0, (it + 1) / warmup) if warmup > 0 else 1.0
+    if cooldown > 0:
+        progress = max(it / iterations, elapsed_min / budget_min if budget_min > 0 else 0.0)
+        scale *= min(1.0, max(0.0, 1.0 - progress) / cooldown)
+    return scale
+
+
+class EMA:
+    """Exponential moving average of `params` (train.ema_decay): `update()` after each optimizer step;
+    `swapped()` puts the averages in the parameters for evaluation and saving, and the raw weights back after."""
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float):
+        self.params, self.decay = params, decay
+        self.shadow = [p.detach().clone() for p in params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - self.decay)
+
+    @torch.no_grad()
+    def _swap(self) -> None:
+        for p, e in zip(self.params, self.shadow):
+            tmp = p.detach().clone()
+            p.copy_(e)
+            e.copy_(tmp)
+
+    @contextlib.contextmanager
+    def swapped(self):
+        self._swap()
+        try:
+            yield
+        finally:
+            self._swap()
