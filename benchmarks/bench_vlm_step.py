@@ -135,7 +135,7 @@ def run_mmrl(model_dir: str, args, imgs) -> tuple[list[float], float]:
         REWARDS.register("bench_length")(reward)
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(None, [
-            "model.policy=vlm", f"model.path={model_dir}", "model.reference=none", "model.freeze_vision=false",
+            "model.policy=token", f"model.path={model_dir}", "model.reference=none", "model.freeze_vision=false",
             "sampler.temperature=1.0", f"sampler.max_new_tokens={args.length}", "task.name=bench_images",
             "reward.name=bench_length", f"train.prompts_per_iter={args.prompts}", f"train.group_size={args.group}",
             "train.minibatches=1", "train.lr=1e-4", f"train.threads={args.threads}", "algo.clip_range=0.2",

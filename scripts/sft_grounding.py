@@ -10,7 +10,7 @@ The world (mp4 files + Charades-STA annotations) is built under --world on first
 mean token NLL of the reference answer computed by the token policy itself (`TokenPolicy.log_prob`), so SFT
 and GRPO see exactly the same inputs. Every --eval-every minutes the model is scored on held-out videos
 (greedy; mIoU, R1@m) and saved atomically as a transformers folder (model + processor) that
-`mmrl train` (model.policy=vlm) and scripts/bench_grounding.py load with from_pretrained.
+`mmrl train` (model.policy=token) and scripts/bench_grounding.py load with from_pretrained.
 """
 
 from __future__ import annotations

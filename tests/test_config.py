@@ -75,8 +75,17 @@ def test_missing_config_file():
 
 
 def test_flow_keys_rejected_on_token_policies():
-    with pytest.raises(ValueError, match=r"sampler.num_steps does not apply to model.policy=vlm.*flow policies only"):
+    with pytest.raises(ValueError, match=r"sampler.num_steps does not apply to model.policy=token.*flow policies only"):
         load_config("configs/tiny/vlm_smoke.yaml", ["sampler.num_steps=20"])
-    with pytest.raises(ValueError, match=r"model.sample_size does not apply to model.policy=vlm"):
+    with pytest.raises(ValueError, match=r"model.sample_size does not apply to model.policy=token"):
         load_config("configs/tiny/vlm_smoke.yaml", ["model.sample_size=64"])
     assert load_config("configs/tiny/vlm_smoke.yaml", ["sampler.temperature=0.7"]).sampler.temperature == 0.7
+
+
+def test_vlm_is_an_alias_of_token():
+    a = load_config("configs/tiny/vlm_smoke.yaml", ["model.policy=vlm", "sampler.temperature=0.7"])
+    with pytest.raises(ValueError, match=r"sampler.num_steps does not apply to model.policy=vlm"):
+        load_config("configs/tiny/vlm_smoke.yaml", ["model.policy=vlm", "sampler.num_steps=20"])
+    from mmrl.policy import POLICIES
+
+    assert POLICIES["vlm"] is POLICIES["token"] and a.sampler.temperature == 0.7

@@ -31,7 +31,7 @@ def policy_for(path, lora=False):
     from mmrl.compose import load_config
     from mmrl.policy.vlm import build_token_policy
 
-    cfg = load_config(None, ["model.policy=vlm", f"model.path={path}", "model.reference=none", "sampler.engine=vllm",
+    cfg = load_config(None, ["model.policy=token", f"model.path={path}", "model.reference=none", "sampler.engine=vllm",
                              "sampler.max_new_tokens=12", "sampler.temperature=1.0",
                              'sampler.vllm={"max_model_len": 256}', f"model.lora.enabled={str(lora).lower()}",
                              "task.name=arithmetic", "reward.name=arithmetic"])
