@@ -52,6 +52,13 @@ def test_smoke_train_and_resume_bit_identical(tiny_pixel_model, tmp_path):
     assert os.listdir(os.path.join(full, "tb"))  # TensorBoard event files
     for x, y in zip(a["params"] + a["ema"], b["params"] + b["ema"]):
         assert torch.equal(x, y)
+    # mmrl eval of the final checkpoint (its EMA policy) at the trainer's eval seeds gives the trainer's own figure
+    ck = os.path.join(full, "checkpoints", "iter-000003")
+    r = mmrl("eval", "configs/tiny/flow_smoke.yaml", f"model.path={common[1].split('=', 1)[1]}", ck, "--seed", "10000")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ev = json.loads(r.stdout.strip().splitlines()[-1])
+    assert list(ev["results"]) == [f"base ({common[1].split('=', 1)[1]})", ck] and "strict" in r.stdout.splitlines()[0]
+    assert ev["results"][ck]["strict"] == res["eval_end"]["strict"] and ev["n"] == res["eval_end"]["n"]
 
 
 def test_cli_config_error_is_clear(tmp_path):
@@ -79,6 +86,13 @@ def test_vlm_smoke_train_and_resume_bit_identical(tiny_vl, tiny_world, tmp_path)
     assert sum("reward/iou_mean" in ln for ln in lines) == 3
     for x, y in zip(a["params"], b["params"]):
         assert torch.equal(x, y)
+    # mmrl eval: the base, the checkpoint (= the trainer's final eval) and the task's blind constant baseline
+    ck = os.path.join(full, "checkpoints", "iter-000003")
+    r = mmrl("eval", *common, ck, "--seed", "10000")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ev = json.loads(r.stdout.strip().splitlines()[-1])["results"]
+    assert list(ev)[1:] == [ck, "constant answer"] and ev[ck]["iou"] == res["eval_end"]["iou"]
+    assert 0 <= ev["constant answer"]["iou"] <= 1 and ev["constant answer"]["n"] == ev[ck]["n"]
 
 
 def test_causal_lm_smoke_train(tmp_path):
