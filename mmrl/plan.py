@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mmrl.config import policy_kind
+
 GiB = 2**30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -205,7 +207,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512) -> dict:
         if arch_name not in ARCHITECTURES:
             raise ValueError(f"unknown architecture {arch_name!r}; known: {sorted(ARCHITECTURES)}")
         arch = ARCHITECTURES[arch_name]
-        if arch["policy"] != cfg.model.policy:
+        if arch["policy"] != policy_kind(cfg.model.policy):
             raise ValueError(f"--arch {arch_name} is a {arch['policy']} model but the config has "
                              f"model.policy={cfg.model.policy}")
     elif not os.path.isdir(cfg.model.path):
@@ -215,7 +217,9 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512) -> dict:
     n_rows = t.prompts_per_iter * t.group_size
     per_minibatch = n_rows // t.minibatches
     dtype = _DTYPES[cfg.model.dtype]
-    if cfg.model.policy == "flow":
+    if policy_kind(cfg.model.policy) is None:
+        raise ValueError(f"mmrl plan knows the built-in policies (flow, token), not model.policy={cfg.model.policy}")
+    if policy_kind(cfg.model.policy) == "flow":
         from mmrl.models.pipelines import SD3_LORA_TARGETS, WAN_LORA_TARGETS
 
         model, call, latent, text_tokens, enc_dim, pooled_dim = _flow_model(cfg, arch)

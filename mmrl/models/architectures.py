@@ -28,7 +28,7 @@ ARCHITECTURES = {
                       out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
                       qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)},
     # Qwen/Qwen2.5-VL-7B-Instruct, config.json
-    "qwen25-vl-7b": {"policy": "vlm", "class": "Qwen2_5_VLForConditionalGeneration", "config": dict(
+    "qwen25-vl-7b": {"policy": "token", "class": "Qwen2_5_VLForConditionalGeneration", "config": dict(
         text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                          num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
                          rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
