@@ -18,7 +18,7 @@ import re
 import torch
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
-_SPAN = re.compile(r"(\d+\.?\d*)\s*(?:to|and|-)\s*(\d+\.?\d*)")
+_SPAN = re.compile(r"(-?\d+\.?\d*)\s*(?:to|and|-)\s*(-?\d+\.?\d*)")  # signed: "-3 to 4" starts at -3
 _FORMAT = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.S)
 THRESHOLDS = (0.3, 0.5, 0.7)
 
@@ -27,7 +27,9 @@ def parse_answer(text, duration: float | None = None) -> tuple[float, float] | N
     """(start, end) in seconds from a model output, or None. Never raises, whatever `text` is.
 
     The LAST <answer> block is read (the whole text when there is none), then the LAST "S to E" / "S and E" /
-    "S - E" in it. NaN/inf, start > end -> None. With a duration, the interval is clamped to [0, duration].
+    "S - E" in it. A minus sign belongs to the number ("-3 to 4" starts at -3, "3-4" is 3 to 4). NaN/inf,
+    start > end -> None. With a duration, the interval is clamped to [0, duration] (so "-3 to 4" in an 8 s video
+    is 0 to 4, and an interval wholly before 0 collapses to 0 to 0); without one, negative times are returned.
     """
     if not isinstance(text, str):
         return None

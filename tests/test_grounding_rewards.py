@@ -21,6 +21,13 @@ from tasks.grounding import constant_baseline
     ("<answer>soon</answer>", None, None),
     ("<answer>2 to 50</answer>", 8.0, (2.0, 8.0)),                                     # clamped to duration
     ("", None, None),
+    # a minus sign is read (it was dropped: "-3 to 4" read as 3 to 4), then clamped when a duration is known
+    ("<answer>-3 to 4</answer>", None, (-3.0, 4.0)),
+    ("<answer>-3 to 4</answer>", 8.0, (0.0, 4.0)),
+    ("<answer>-2.5 - 1</answer>", 8.0, (0.0, 1.0)),
+    ("<answer>3-4</answer>", 8.0, (3.0, 4.0)),                                        # a hyphen between numbers
+    ("<answer>2 to -1</answer>", 8.0, None),                                           # start > end
+    ("<answer>-3 to -1</answer>", 8.0, (0.0, 0.0)),                                    # wholly before the video
 ])
 def test_parse_answer(text, dur, want):
     assert parse_answer(text, dur) == want
