@@ -140,6 +140,9 @@ class AlgoConfig:
     reward_aggregation: str = "sum"  # REWARD_AGGREGATIONS key for several rewards (reward.name=multi): sum | gdpo
     shaping_tau: float = 0.8      # TempSamp-R1 soft shaping
     shaping_alpha: float = 1.0
+    tgrpo_alpha: float = 0.3      # T-GRPO (reward_shaping=tgrpo): bonus for correct samples of a group whose ordered-
+    tgrpo_mu: float = 0.8         # frame accuracy p >= mu x its shuffled-frame accuracy
+    tgrpo_threshold: float = 0.5  # a sample is correct when its overall reward >= this
     offpolicy: str = "none"       # OFFPOLICY key: none | ground_truth (TempSamp-R1 injection, one row per group)
     sft_coef: float = 0.0         # > 0: add sft_coef x the NLL of the injected rows to their loss (supervised anchor)
     dynamic_sampling: bool = False  # DAPO: resample prompts whose group has zero reward std

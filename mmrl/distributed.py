@@ -66,10 +66,14 @@ class Distributed:
 
     def check_config(self, cfg) -> None:
         """Refuse what several processes do not support yet, naming the fix."""
-        if cfg.algo.dynamic_sampling or cfg.reward.workers or cfg.tree.split_steps or cfg.train.micro_batch:
+        from mmrl.algorithms import REWARD_SHAPINGS
+
+        contrast = getattr(REWARD_SHAPINGS[cfg.algo.reward_shaping], "needs_contrast", False)
+        if cfg.algo.dynamic_sampling or cfg.reward.workers or cfg.tree.split_steps or cfg.train.micro_batch or contrast:
             # micro-batches: ranks would run different numbers of backward passes (DDP / FSDP collectives hang)
             raise ValueError("several processes do not support algo.dynamic_sampling, reward.workers, tree "
-                             "rollouts or train.micro_batch yet: turn them off, or run in one process")
+                             "rollouts, train.micro_batch or contrast shapings (tgrpo) yet: turn them off, or run "
+                             "in one process")
         n = cfg.train.prompts_per_iter * cfg.train.group_size
         if n < self.world:
             raise ValueError(f"prompts_per_iter * group_size = {n} rows for {self.world} processes")

@@ -33,6 +33,7 @@ from mmrl.data import Rollout, micro_batches
 from mmrl.distributed import Distributed, full
 from mmrl.evaluation import evaluate_outputs
 from mmrl.metrics import Logger, SignalWatch, Timer, per_category
+from mmrl.rollout.contrast import contrast_rollout
 from mmrl.optim import EMA, lr_scale
 from mmrl.reward import RewardRunner
 
@@ -123,7 +124,13 @@ class Trainer:
         local = (rollout, valid)
         if self.dist.world > 1:  # advantages need whole groups: every rank sees every row's reward
             rollout, rewards, valid, self._local_rows, self._row_actions = self.dist.gather_rows(rollout, rewards, valid)
-        shaped = REWARD_SHAPINGS[a.reward_shaping](rewards["overall"], a)
+        shaping, extra = REWARD_SHAPINGS[a.reward_shaping], ()
+        if getattr(shaping, "needs_contrast", False):  # e.g. T-GRPO: the same prompts with shuffled frames
+            sample = lambda ex, g: self.policy.sample(ex, g, torch.Generator().manual_seed(seed + 1))  # noqa: E731
+            contrast, stats = contrast_rollout(sample, self.reward, rollout, t.group_size, seed)
+            extra = (contrast,)
+            metrics.update(stats)
+        shaped = shaping(rewards["overall"], a, *extra)
         adv, adv_stats = self.credit({**rewards, "overall": shaped}, getattr(self.reward_fn, "weights", None), rollout,
                                      valid, cfg, it)  # [N] or [N, A] (tree rollouts: per transition)
         adv_fn = lambda r, g, v: ADVANTAGES[a.advantage](r, g, v, a)[0]  # noqa: E731

@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--world", default="runs/grounding_world", help="where the synthetic world is built")
     p.add_argument("--train-videos", type=int, default=None, help="default: an existing world's, else 600")
     p.add_argument("--test-videos", type=int, default=None, help="default: an existing world's, else 220")
+    p.add_argument("--ood", action="store_true", help="the out-of-distribution world (tasks/grounding_world.py: "
+                   "held-out = id + long / novel / crowded splits); use its own --world folder")
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--size", default="small", choices=["small", "tiny"])
     p.add_argument("--batch", type=int, default=16)
@@ -87,7 +89,7 @@ def main(argv=None):
     from tasks import grounding as grounding_eval
 
     task = GroundingWorldTask(TaskConfig(eval_prompts=args.eval_n), root=args.world,
-                              train_videos=args.train_videos, test_videos=args.test_videos)
+                              train_videos=args.train_videos, test_videos=args.test_videos, ood=args.ood)
     if args.init:
         model, processor = load_token_model(args.init)
         print(f"initialized from {args.init}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from mmrl.evaluation import evaluate_outputs
 from rewards.grounding import GroundingReward, grounding_metrics, multi_window_iou
 from tasks.grounding_data import load_dataset
-from tasks.grounding_world import ANSWER, DEFAULT_VIDEOS, PROMPT, build_world
+from tasks.grounding_world import ANSWER, DEFAULT_VIDEOS, OOD_SPLITS, OOD_VIDEOS, PROMPT, build_world
 
 
 def evaluate(policy, examples: list[dict], batch_size: int = 32, progress: bool = True) -> dict:
@@ -75,10 +75,16 @@ class GroundingTask:
         return self.eval
 
     def baselines(self) -> dict[str, dict]:
-        """The blind constant answer fitted on the training queries, scored on the held-out ones."""
-        m = constant_baseline(self.train, self.eval)  # in the reward's keys, as mmrl eval prints the models
-        return {"constant answer": {"iou": m["mIoU"], **{f"r1@{t}": m[f"R1@{t}"] / 100 for t in (0.3, 0.5, 0.7)},
-                                    "n": len(self.eval), "window_fraction": m["window_fraction"]}}
+        """The blind constant answer fitted on the training queries, scored on the held-out ones (and on each
+        held-out category, e.g. the OOD splits), in the reward's keys as mmrl eval prints the models."""
+        def metrics(rows):
+            m = constant_baseline(self.train, rows)
+            return {"iou": m["mIoU"], **{f"r1@{t}": m[f"R1@{t}"] / 100 for t in (0.3, 0.5, 0.7)}, "n": len(rows)}
+
+        cats = sorted({e["category"] for e in self.eval if e.get("category")})
+        per_cat = {c: metrics([e for e in self.eval if e.get("category") == c]) for c in cats}
+        fit = constant_baseline(self.train, self.eval)["window_fraction"]
+        return {"constant answer": {**metrics(self.eval), "window_fraction": fit, "per_category": per_cat}}
 
     def reference_output(self, ex) -> str:
         """The ground-truth answer text (TempSamp-R1 off-policy injection; SFT targets)."""
@@ -92,16 +98,26 @@ class GroundingWorldTask(GroundingTask):
     world's counts, else 600 / 220; other counts than an existing world's are an error), and GroundingTask's
     prompt / answer / text_first. The query comes before the video by default: then the distance in M-RoPE
     positions from the answer to each video token does not depend on the query's length, which a 1 M-parameter
-    model reading time off those distances cannot otherwise compensate for."""
+    model reading time off those distances cannot otherwise compensate for. ood=True: the out-of-distribution
+    world (tasks/grounding_world.py: NOVEL combinations never in training; held-out = the in-distribution test
+    split and the long / novel / crowded splits, each example's category its split)."""
 
     def __init__(self, cfg, root: str = "runs/grounding_world", train_videos: int | None = None,
-                 test_videos: int | None = None, **kwargs):
+                 test_videos: int | None = None, ood: bool = False, **kwargs):
+        defaults = OOD_VIDEOS if ood else DEFAULT_VIDEOS
         sizes = None if train_videos is None and test_videos is None else \
-            {"train": train_videos or DEFAULT_VIDEOS["train"], "test": test_videos or DEFAULT_VIDEOS["test"]}
-        w = build_world(root, sizes)
+            {**defaults, "train": train_videos or defaults["train"], "test": test_videos or defaults["test"]}
+        w = build_world(root, sizes, ood=ood)
         kwargs.setdefault("prompt", PROMPT)
         kwargs.setdefault("answer", ANSWER)
         kwargs.setdefault("text_first", True)
         super().__init__(cfg, "charades_sta", w["train"]["annotations"], w["train"]["video_dir"],
                          w["train"]["durations"], w["test"]["annotations"], w["test"]["video_dir"],
                          w["test"]["durations"], **kwargs)
+        if ood:  # held-out = the in-distribution test split and every OOD split, each its own category
+            self.eval = [{**e, "category": "id"} for e in self.eval]
+            on_error, missing = kwargs.get("on_error", "raise"), kwargs.get("missing_video", "raise")
+            for split in OOD_SPLITS:
+                rows = load_dataset("charades_sta", w[split]["annotations"], w[split]["video_dir"],
+                                    w[split]["durations"], on_error, missing)
+                self.eval += [{**e, "category": split} for e in self._examples(rows)[:cfg.eval_prompts]]

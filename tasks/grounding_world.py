@@ -45,35 +45,52 @@ def _draw(d: ImageDraw.ImageDraw, shape: str, color: str, cx: int, cy: int, r: i
         d.polygon([(cx - r, cy + r), (cx + r, cy + r), (cx, cy - r)], fill=rgb)
 
 
-def make_video_spec(rng: random.Random) -> list[dict]:
+# Out-of-distribution splits of the `ood` world, fixed before any run (docs/worlds.md). Training and the
+# in-distribution test split never contain a NOVEL (shape, color) at all; the OOD test splits change one thing:
+#   long     16 s videos (32 frames at the same 2 fps): twice any training duration
+#   novel    every target is a NOVEL combination (its shape and its color are each seen in training, never together)
+#   crowded  1 target and 3 distractors (training has 1-2 distractors and 2-3 targets)
+NOVEL = (("circle", "yellow"), ("square", "blue"), ("triangle", "red"))
+OOD_SPLITS = {"long": {"duration": 2 * DURATION}, "novel": {"novel": True}, "crowded": {"targets": 1, "distractors": 3}}
+OOD_VIDEOS = {"train": 600, "test": 220, "long": 220, "novel": 220, "crowded": 520}  # >= 500 queries per test split
+
+
+def make_video_spec(rng: random.Random, duration: float = DURATION, exclude: tuple = (), novel: bool = False,
+                    targets: int | None = None, distractors: int | None = None) -> list[dict]:
     """Objects of one video: [{"shape", "color", "start", "end", "cx", "cy", "r", "target"}], times in s.
 
     Each object owns one quadrant of the frame, which is exactly one merged 28 x 28 vision token of
-    Qwen-VL (2 x 2 patches of 14 px), so one video token sees one object: at most 4 objects per video."""
+    Qwen-VL (2 x 2 patches of 14 px), so one video token sees one object: at most 4 objects per video.
+    exclude: (shape, color) never drawn; novel: the targets are NOVEL combinations (2-3), the distractors not;
+    targets / distractors: fixed counts instead of 2-3 targets and 1-2 distractors."""
     kinds = [(s, c) for s in SHAPES for c in WORLD_COLORS]
     rng.shuffle(kinds)
-    n_targets = rng.choice((2, 3))
-    targets = kinds[:n_targets]
+    kinds = [k for k in kinds if k not in exclude]
+    n_targets = targets or rng.choice((2, 3))
+    pool = [k for k in kinds if (k in NOVEL) == novel] if novel else kinds
+    chosen = pool[:n_targets]
+    rest = [k for k in kinds if k not in chosen and (not novel or k not in NOVEL)]
     # distractors share a shape or a color with a target but are never identical to one
-    others = [k for k in kinds[n_targets:] if any(k[0] == t[0] or k[1] == t[1] for t in targets)]
-    distractors = others[:rng.choice((1, 2)) if n_targets == 2 else 1]
+    others = [k for k in rest if any(k[0] == t[0] or k[1] == t[1] for t in chosen)]
+    n_distractors = distractors or (rng.choice((1, 2)) if n_targets == 2 else 1)
+    extra = others[:n_distractors]
     half = SIZE // 4
     quadrants = [(half, half), (3 * half, half), (half, 3 * half), (3 * half, 3 * half)]
     rng.shuffle(quadrants)
     objs = []
-    for i, (shape, color) in enumerate(targets + distractors):
+    for i, (shape, color) in enumerate(chosen + extra):
         length = rng.randint(2, 5)
-        start = rng.randint(0, int(DURATION) - length)
+        start = rng.randint(0, int(duration) - length)
         cx, cy = quadrants[i]
         objs.append({"shape": shape, "color": color, "start": float(start), "end": float(start + length),
                      "cx": cx, "cy": cy, "r": 10, "target": i < n_targets})
     return objs
 
 
-def render_frames(objs: list[dict]) -> np.ndarray:
-    """[FRAMES, SIZE, SIZE, 3] uint8; frame k shows the objects whose [start, end) contains k / FPS."""
+def render_frames(objs: list[dict], n_frames: int = FRAMES) -> np.ndarray:
+    """[n_frames, SIZE, SIZE, 3] uint8; frame k shows the objects whose [start, end) contains k / FPS."""
     frames = []
-    for k in range(FRAMES):
+    for k in range(n_frames):
         t = k / FPS
         img = Image.new("RGB", (SIZE, SIZE), BACKGROUND)
         d = ImageDraw.Draw(img)
@@ -112,13 +129,15 @@ def _atomic_write(path: str, **open_kw):
     os.replace(tmp, path)
 
 
-def build_world(root: str, n_videos: dict[str, int] | None = None, seed: int = 0) -> dict[str, dict]:
+def build_world(root: str, n_videos: dict[str, int] | None = None, seed: int = 0, ood: bool = False) -> dict[str, dict]:
     """Write the world under root; a complete world with the same parameters (world.json) is reused.
 
     n_videos=None reads an existing world as it is (or builds the default 600 / 220 videos). A world already
     under root that was built with other parameters is never overwritten (another run may be reading it): that
     is a ValueError naming both. Several processes may build the same world at once (per-process temp names).
-    Returns {split: {"annotations": txt, "durations": csv, "video_dir": dir}} for splits "train" and "test".
+    ood=True builds the out-of-distribution world: NOVEL combinations excluded from train and test, and the
+    test splits of OOD_SPLITS (long, novel, crowded) beside them (default counts OOD_VIDEOS).
+    Returns {split: {"annotations": txt, "durations": csv, "video_dir": dir}} for every split.
     """
     video_dir = os.path.join(root, "videos")
     manifest = os.path.join(root, "world.json")
@@ -126,10 +145,12 @@ def build_world(root: str, n_videos: dict[str, int] | None = None, seed: int = 0
     if os.path.isfile(manifest):
         with open(manifest) as f:
             old = json.load(f)
-    if n_videos is None and old is not None:  # read an existing world as it is
+    if n_videos is None and old is not None and old.get("ood", False) == ood:  # read an existing world as it is
         n_videos, seed = old["n_videos"], old["seed"]
-    n_videos = n_videos or DEFAULT_VIDEOS
+    n_videos = n_videos or (OOD_VIDEOS if ood else DEFAULT_VIDEOS)
     params = {"n_videos": n_videos, "seed": seed, "fps": FPS, "frames": FRAMES, "size": SIZE, "layout": "quadrants"}
+    if ood:
+        params["ood"] = True
     out = {split: {"annotations": os.path.join(root, f"charades_sta_{split}.txt"),
                    "durations": os.path.join(root, f"Charades_v1_{split}.csv"), "video_dir": video_dir}
            for split in n_videos}
@@ -147,13 +168,15 @@ def build_world(root: str, n_videos: dict[str, int] | None = None, seed: int = 0
         lines, rows = [], []
         for i in range(n):
             vid = f"SYN{split[:2].upper()}{i:05d}"
-            objs = make_video_spec(rng)
+            kw = dict(OOD_SPLITS.get(split, {}), exclude=() if split == "novel" else NOVEL) if ood else {}
+            duration = kw.get("duration", DURATION)
+            objs = make_video_spec(rng, **kw)
             path = os.path.join(video_dir, vid + ".mp4")
             if not os.path.isfile(path):
-                write_mp4(path, render_frames(objs))
+                write_mp4(path, render_frames(objs, int(duration * FPS)))
             rows.append({"id": vid, "subject": "synthetic", "scene": "gray", "quality": "7", "relevance": "7",
                          "verified": "Yes", "script": "", "objects": "", "descriptions": "", "actions": "",
-                         "length": f"{DURATION:.2f}"})
+                         "length": f"{duration:.2f}"})
             for o in objs:
                 if o["target"]:
                     q = rng.choice(TEMPLATES).format(f"{o['color']} {o['shape']}")

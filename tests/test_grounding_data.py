@@ -114,3 +114,47 @@ def test_bounded_cache_evicts_by_bytes_and_count():
     for i in range(3):
         small.get(i, lambda: (torch.zeros(1), {"fps": 2}))
     assert len(small) == 2
+
+
+# ------------------------------------------------------------------ the out-of-distribution world (issue: OOD)
+def test_ood_video_specs_by_split():
+    import random
+
+    from tasks.grounding_world import DURATION, NOVEL, OOD_SPLITS, make_video_spec
+
+    rng = random.Random(0)
+    for _ in range(300):
+        base = make_video_spec(rng, exclude=NOVEL)
+        assert not any((o["shape"], o["color"]) in NOVEL for o in base)
+        assert all(o["end"] <= DURATION for o in base) and 2 <= sum(o["target"] for o in base) <= 3
+        assert 1 <= sum(not o["target"] for o in base) <= 2
+        long = make_video_spec(rng, exclude=NOVEL, **OOD_SPLITS["long"])
+        assert all(o["end"] <= 2 * DURATION for o in long)
+        novel = make_video_spec(rng, **OOD_SPLITS["novel"])
+        assert all(((o["shape"], o["color"]) in NOVEL) == o["target"] for o in novel)
+        crowded = make_video_spec(rng, exclude=NOVEL, **OOD_SPLITS["crowded"])
+        assert [o["target"] for o in crowded] == [True, False, False, False]
+        t = next(o for o in crowded if o["target"])
+        assert all(o["shape"] == t["shape"] or o["color"] == t["color"] for o in crowded)
+    # some long-split windows lie beyond any training video's end
+    assert any(o["end"] > DURATION for _ in range(50) for o in make_video_spec(rng, exclude=NOVEL, **OOD_SPLITS["long"]))
+
+
+def test_ood_world_splits_never_meet_training(tmp_path):
+    from mmrl.config import TaskConfig
+    from tasks.grounding import GroundingWorldTask
+    from tasks.grounding_world import NOVEL
+
+    task = GroundingWorldTask(TaskConfig(eval_prompts=10_000), root=str(tmp_path / "gw"), train_videos=40,
+                              test_videos=10, ood=True)
+    named = lambda ex: next((c for c in NOVEL if f"{c[1]} {c[0]}" in ex["query"]), None)  # noqa: E731
+    by = {c: [e for e in task.eval if e["category"] == c] for c in ("id", "long", "novel", "crowded")}
+    assert all(len(by[c]) >= 500 for c in ("long", "novel", "crowded"))  # the default OOD counts
+    assert not any(named(e) for e in task.train + by["id"] + by["long"] + by["crowded"])
+    assert all(named(e) for e in by["novel"])
+    assert {e["duration"] for e in task.train + by["id"] + by["novel"] + by["crowded"]} == {8.0}
+    assert {e["duration"] for e in by["long"]} == {16.0} and max(w[1] for e in by["long"] for w in e["windows"]) > 8
+    train_videos = {e["video"] for e in task.train}
+    assert all(not train_videos & {e["video"] for e in rows} for rows in by.values())
+    base = task.baselines()["constant answer"]
+    assert set(base["per_category"]) == set(by) and base["n"] == len(task.eval)

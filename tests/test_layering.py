@@ -18,6 +18,7 @@ LAYERS = [
      "mmrl.models.qwen_vl", "mmrl.models.tiny_pipelines", "mmrl.sampling.*", "mmrl.rollout", "mmrl.rollout.engine"],
     # 1 building blocks: algorithms, models, samplers, rollout engines
     ["mmrl.video", "mmrl.algorithms.*", "mmrl.models.flow_model", "mmrl.models.pipelines", "mmrl.rollout.vllm_engine",
+     "mmrl.rollout.contrast",
      "mmrl.rollout.tree"],
     # 2 the interfaces and their registries
     ["mmrl.policy.*", "mmrl.reward", "mmrl.task", "mmrl.rollout.pairwise", "mmrl.distributed", "mmrl.evaluation"],

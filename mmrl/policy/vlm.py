@@ -126,7 +126,7 @@ class TokenPolicy(PolicyDefaults):
         """The processor's tensors for one prompt (input_ids [1, P], attention_mask [1, P], and for media e.g.
         pixel_values_videos [patches, D], video_grid_thw [1, 3]); cached by (prompt, media)."""
         key = (json.dumps(ex.get("messages"), sort_keys=True, default=str), ex.get("prompt"), ex.get("video"),
-               str(ex.get("image")), bool(ex.get("text_first")))
+               str(ex.get("image")), bool(ex.get("text_first")), ex.get("shuffle_frames"))
         return self._prompts.get(key, lambda: self._process(ex))
 
     def _process(self, ex: dict) -> dict[str, torch.Tensor]:
@@ -136,6 +136,9 @@ class TokenPolicy(PolicyDefaults):
             enc = dict(self.tokenizer([text], return_tensors="pt", add_special_tokens=False))
         elif ex.get("video"):
             frames, meta = self.videos.get(ex["video"], self.video_opts)
+            if ex.get("shuffle_frames") is not None:  # contrast rollouts (T-GRPO): a fixed permutation per seed
+                gen = torch.Generator().manual_seed(int(ex["shuffle_frames"]))
+                frames = frames[torch.randperm(len(frames), generator=gen)]      # [T, C, H, W] in shuffled order
             enc = dict(self.processor(text=[text], videos=[frames], video_metadata=[meta], do_sample_frames=False,
                                       return_tensors="pt"))
         elif ex.get("image") is not None:
