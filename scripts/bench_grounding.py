@@ -41,6 +41,8 @@ def main(argv=None):
     p.add_argument("--skip-broken", action="store_true", help="count unreadable videos (scored 0) instead of failing")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--ood", action="store_true", help="the OOD world under --world: id, long, novel and crowded "
+                   "splits side by side (tasks/grounding_world.py)")
     args = p.parse_args(argv)
     import torch
 
@@ -60,33 +62,45 @@ def main(argv=None):
         template = args.prompt or GROUNDING_PROMPT
         text_first = bool(args.text_first)
     else:
-        from tasks.grounding_world import PROMPT, build_world
+        from tasks.grounding_world import OOD_SPLITS, PROMPT, build_world
 
-        w = build_world(args.world)
-        rows = load_dataset("charades_sta", w["test"]["annotations"], w["test"]["video_dir"], w["test"]["durations"])
+        w = build_world(args.world, ood=args.ood)
+        splits = {"id": "test", **({k: k for k in OOD_SPLITS} if args.ood else {})}
+        rows = {name: load_dataset("charades_sta", w[s]["annotations"], w[s]["video_dir"], w[s]["durations"])
+                for name, s in splits.items()}
         fit = load_dataset("charades_sta", w["train"]["annotations"], w["train"]["video_dir"],
                            w["train"]["durations"])
         template = args.prompt or PROMPT
         text_first = args.text_first is not False
-    rows = [r for r in rows if r["windows"]]
-    n = 60 if args.quick else (args.n or len(rows))
-    examples = [{**r, "prompt": template.format(query=r["query"], duration=r["duration"]), "text_first": text_first}
-                for r in rows[:n]]
+    if not isinstance(rows, dict):
+        rows = {"id": rows}
     video = VideoOptions(args.backend, args.fps, args.nframes, args.min_pixels, args.max_pixels)
-    results = {"constant_baseline": grounding_eval.constant_baseline([r for r in fit if r["windows"]], examples)}
-    b = results["constant_baseline"]
-    print(f"constant answer {b['window_fraction']} x duration: mIoU {b['mIoU']:.4f} R1@0.3 {b['R1@0.3']:.1f} "
-          f"R1@0.5 {b['R1@0.5']:.1f} R1@0.7 {b['R1@0.7']:.1f}")
-    for ck in args.checkpoints:
-        t0 = time.time()
-        policy = load_token_policy(ck, video, "skip" if args.skip_broken else "raise", args.max_new_tokens)
-        res = grounding_eval.evaluate(policy, examples)
-        res["seconds"] = round(time.time() - t0, 1)
-        res["skipped_videos"] = policy.skipped_examples
-        results[ck] = res
-        print(f"{ck}: mIoU {res['mIoU']:.4f} R1@0.3 {res['R1@0.3']:.1f} R1@0.5 {res['R1@0.5']:.1f} "
-              f"R1@0.7 {res['R1@0.7']:.1f} parsed {res['parsed']:.3f} (n={res['n']})")
-    print(json.dumps({"n_queries": len(examples), "results": results}))
+    policies = {ck: load_token_policy(ck, video, "skip" if args.skip_broken else "raise", args.max_new_tokens)
+                for ck in args.checkpoints}
+    results, sizes = {}, {}
+    for split, split_rows in rows.items():
+        split_rows = [r for r in split_rows if r["windows"]]
+        n = 60 if args.quick else (args.n or len(split_rows))
+        examples = [{**r, "prompt": template.format(query=r["query"], duration=r["duration"]),
+                     "text_first": text_first} for r in split_rows[:n]]
+        sizes[split] = len(examples)
+        res = {"constant_baseline": grounding_eval.constant_baseline([r for r in fit if r["windows"]], examples)}
+        b = res["constant_baseline"]
+        print(f"[{split}] constant answer {b['window_fraction']} x duration: mIoU {b['mIoU']:.4f} R1@0.3 "
+              f"{b['R1@0.3']:.1f} R1@0.5 {b['R1@0.5']:.1f} R1@0.7 {b['R1@0.7']:.1f}")
+        for ck, policy in policies.items():
+            t0 = time.time()
+            r = grounding_eval.evaluate(policy, examples)
+            r["seconds"] = round(time.time() - t0, 1)
+            r["skipped_videos"] = policy.skipped_examples
+            res[ck] = r
+            print(f"[{split}] {ck}: mIoU {r['mIoU']:.4f} R1@0.3 {r['R1@0.3']:.1f} R1@0.5 {r['R1@0.5']:.1f} "
+                  f"R1@0.7 {r['R1@0.7']:.1f} parsed {r['parsed']:.3f} (n={r['n']})")
+        results[split] = res
+    if list(results) == ["id"]:  # one split: the flat layout earlier runs printed
+        print(json.dumps({"n_queries": sizes["id"], "results": results["id"]}))
+    else:
+        print(json.dumps({"n_queries": sizes, "results": results}))
 
 
 if __name__ == "__main__":

@@ -133,3 +133,17 @@ def test_gpu_check_runs_every_gpu_config_on_cpu():
     assert all(c["optimizer_steps"] == 2 and c["params_dtypes"] == ["torch.float32"] for c in res["configs"].values())
     if not res["cuda_available"]:
         assert run("scripts/gpu_check.py", "--quick").returncode == 2
+
+
+def test_bench_grounding_reports_the_ood_splits_side_by_side(tiny_vl, tmp_path):
+    from tasks.grounding_world import OOD_VIDEOS, build_world
+
+    world = str(tmp_path / "ood")
+    build_world(world, {**OOD_VIDEOS, "train": 8, "test": 4, "long": 3, "novel": 3, "crowded": 4}, ood=True)
+    r = run("scripts/bench_grounding.py", tiny_vl, "--world", world, "--ood", "--max-new-tokens", "8", "--threads", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert list(res["results"]) == ["id", "long", "novel", "crowded"]
+    assert res["n_queries"]["crowded"] == 4 and res["n_queries"]["long"] >= 6
+    for split in res["results"].values():
+        assert set(split) == {"constant_baseline", tiny_vl} and 0 <= split[tiny_vl]["mIoU"] <= 1
