@@ -88,7 +88,7 @@ def test_micro_batches_refused_with_several_processes(tiny_pixel_model, tmp_path
     refused at start instead."""
     r = run(tiny_pixel_model, str(tmp_path / "x.safetensors"), "--parallel", "ddp", "--steps", "1",
             "--set", "train.micro_batch=2", procs=2)
-    assert r.returncode != 0 and "train.micro_batch yet" in r.stderr
+    assert r.returncode != 0 and "train.micro_batch or contrast shapings (tgrpo) yet" in r.stderr
 
 
 def test_a_launched_process_without_parallel_refuses(monkeypatch):
