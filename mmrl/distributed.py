@@ -171,6 +171,13 @@ class Distributed:
         if self.world > 1:
             dist.barrier()
 
+    def close(self) -> None:
+        """End of a run: every rank waits for the others, then the process group is destroyed (a rank that exits
+        while another still talks to it can abort the whole job at teardown)."""
+        if self.world > 1 and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
 
 @contextlib.contextmanager
 def unsharded(modules: list[torch.nn.Module]):

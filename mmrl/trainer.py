@@ -343,4 +343,6 @@ def train(cfg: Config, resume: bool = False) -> dict:
         json.dump(dataclasses.asdict(cfg), f, indent=2)
     if resume and not trainer.resume():
         log.warning("--resume: no checkpoint in %s/checkpoints; starting from scratch", cfg.log.out_dir)
-    return trainer.fit()
+    results = trainer.fit()
+    trainer.dist.close()
+    return results

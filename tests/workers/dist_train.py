@@ -70,6 +70,7 @@ def main():
     if tr.dist.main:
         save_file(params, args.out)
         print(f"world {tr.dist.world} reward {m['reward/overall_mean']:.4f} loss {m['train/loss']:.6f}", flush=True)
+    tr.dist.close()
 
 
 if __name__ == "__main__":
