@@ -80,7 +80,7 @@ def save_trainer(tr) -> str:
             tr.policy.save_pretrained(os.path.join(tmp, "policy"))
             state = {"iteration": tr.iteration, "optimizer": None if fsdp else tr.opt.state_dict(),
                      "params": params, "ema": ema, "torch_rng": torch.get_rng_state(),
-                     "elapsed_min": tr.elapsed_min,
+                     "elapsed_min": tr.elapsed_min, "timed_evals": json.dumps(tr.timed_evals),
                      "world": tr.dist.world, "parallel": tr.cfg.train.parallel}
             torch.save(state, os.path.join(tmp, "trainer_state.pt"))
             with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -117,5 +117,6 @@ def resume_trainer(tr) -> bool:
     torch.set_rng_state(state["torch_rng"])
     tr.iteration = state["iteration"]
     tr.elapsed_min = state.get("elapsed_min", 0.0)
+    tr.timed_evals = json.loads(state.get("timed_evals", "[]"))
     log.info("resumed from %s at iteration %d", path, tr.iteration)
     return True

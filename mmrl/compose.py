@@ -17,7 +17,7 @@ import inspect
 
 from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS_AGG, OFFPOLICY, POLICY_LOSSES,
                              RATIO_TRANSFORMS, REWARD_AGGREGATIONS, REWARD_SHAPINGS, WEIGHTINGS)
-from mmrl.config import Config, TaskConfig
+from mmrl.config import Config, TaskConfig, policy_kind
 from mmrl.config import load_config as parse_config
 from mmrl.policy import POLICIES
 from mmrl.registry import Registry
@@ -57,12 +57,40 @@ def check_choices(cfg: Config) -> Config:
     if cfg.tree.split_steps and credit_name(cfg) == "group":
         raise ValueError("algo.credit=group gives one advantage per sample, but tree rollouts need one per "
                          "transition: set algo.credit=auto (or tree)")
-    _choice("sampler.kind", cfg.sampler.kind, SDE_KINDS)
+    _check_objective(cfg)
     _choice("sampler.engine", cfg.sampler.engine, ENGINES)
     _choice("tree.fusion", cfg.tree.fusion, FUSIONS)
     if cfg.tree.split_steps:
         split_schedule(cfg.sampler.num_steps, cfg.tree.split_steps)
+        if cfg.sampler.ode_stride > 1 or cfg.sampler.ode_solver != "euler":
+            raise ValueError("sampler.ode_stride / ode_solver=dpm2m apply to chain rollouts: remove them or "
+                             "tree.split_steps")
     return cfg
+
+
+def objective(cfg: Config) -> str:
+    """What the policy loss trains on: "transitions" (sampling steps, log-probs) or "forward" (the forward process of
+    the final samples: algo.policy_loss=awm | nft; docs/algorithms.md §11)."""
+    return getattr(POLICY_LOSSES[cfg.algo.policy_loss], "objective", "transitions")
+
+
+def _check_objective(cfg: Config) -> None:
+    a, s = cfg.algo, cfg.sampler
+    if objective(cfg) != "forward":
+        _choice("sampler.kind", s.kind, SDE_KINDS)
+        return
+    _choice("sampler.kind", s.kind, SDE_KINDS + ("ode",))
+    fix = f"algo.policy_loss={a.policy_loss} trains on the forward process of final samples"
+    if policy_kind(cfg.model.policy) == "token":
+        raise ValueError(f"{fix}, which flow policies record: set model.policy=flow or another algo.policy_loss")
+    if cfg.tree.split_steps:
+        raise ValueError(f"{fix}, not on tree transitions: remove tree.split_steps")
+    if a.weighting != "none" or a.ratio != "none" or (a.kl_coef > 0 and a.kl == "flow_mean"):
+        raise ValueError(f"{fix}; algo.weighting, algo.ratio and algo.kl=flow_mean act on SDE steps: set "
+                         f"algo.weighting=none, algo.ratio=none, algo.kl=flow_velocity")
+    if s.kind == "ode" and s.shared_noise:
+        raise ValueError("sampler.kind=ode with sampler.shared_noise: every sample of a group would be the same image "
+                         "(zero advantages); set sampler.shared_noise=false")
 
 
 def _choice(key: str, value, valid: tuple) -> None:

@@ -46,7 +46,8 @@ class ModelConfig:
 
 @dataclass
 class SamplerConfig:
-    kind: str = "flow_grpo"       # flow_grpo | dance | cps (docs/algorithms.md §1); ode is evaluation only
+    kind: str = "flow_grpo"       # flow_grpo | dance | cps (docs/algorithms.md §1); ode only for forward-process
+                                  # losses (algo.policy_loss=awm | nft), which train on final samples, not steps
     num_steps: int = 10           # training-time denoising steps (Flow-GRPO: ~10 for training)
     noise_level: float = 0.7      # a: 0.7 SD3 (Flow-GRPO), 0.9 FLUX; DanceGRPO eta 0.3; CPS a
     cfg_scale: float = 4.0        # CFG in sampling AND in the log-prob recomputation (same scale)
@@ -54,6 +55,14 @@ class SamplerConfig:
     sde_window_size: int = 0      # SDE on a window of this many steps, ODE elsewhere; 0 = every trainable step
     sde_window_range: list[int] = field(default_factory=lambda: [0, -1])  # [lo, hi) window starts; -1 = last step
     logprob_reduce: str = "mean"  # mean over latent elements (Flow-GRPO reference) | sum (joint density)
+    window_schedule: str = "random"  # random: a window start drawn per iteration in sde_window_range | sliding
+                                  # (MixGRPO): the start moves one step later every window_shift_every iterations
+    window_shift_every: int = 25
+    ode_solver: str = "euler"     # ODE steps: euler | dpm2m (DPM-Solver++(2M) on the x0 prediction; MixGRPO-Flash)
+    ode_stride: int = 1           # > 1: ODE runs outside the SDE window take every ode_stride-th sigma of the
+                                  # schedule (fewer transformer calls; MixGRPO-Flash); the window's steps are unchanged
+    forward_timesteps: int = 2    # forward-process losses: noise levels t per final sample (the trained actions)
+    forward_t_range: list[float] = field(default_factory=lambda: [0.0, 1.0])  # t ~ U(lo, hi)
     shared_noise: bool = False    # the samples of a group start from one initial noise (DanceGRPO): reward
                                   # differences within a group then come from the trained SDE steps alone
     eval_steps: int = 16          # ODE steps for evaluation
@@ -134,6 +143,9 @@ class AlgoConfig:
     loss_agg: str = "seq_mean_token_mean"  # LOSS_AGG key
     kl: str = "flow_mean"         # KL_ESTIMATORS key (used when kl_coef > 0)
     kl_coef: float = 0.0          # beta; Flow-GRPO GenEval: 0.004 .. 0.04; GRPO-Guard: 0
+    kl_reference: str = "base"    # the KL's reference: base (the frozen initial model) | ema (the EMA of the trained
+                                  # weights, train.ema_decay, which evaluation also uses)
+    nft_beta: float = 1.0         # DiffusionNFT (policy_loss=nft): how far the implicit policies sit from v_old
     weighting: str = "none"       # WEIGHTINGS key, or keys joined by "+" whose weights multiply (tempflow+guard_dt)
     ratio: str = "none"           # RATIO_TRANSFORMS key: none | gspo (sequence-level ratio)
     reward_shaping: str = "none"  # REWARD_SHAPINGS key applied before advantages: none | tempsamp
@@ -182,6 +194,8 @@ class LogConfig:
     out_dir: str = "runs/shapes_grpo"
     tensorboard: bool = True
     image_every: int = 10         # iterations between image grids
+    eval_every_min: float = 0.0   # > 0: also evaluate each time this many minutes of the run have passed (the
+                                  # evaluations count in train.time_budget_min); results.json lists them
     save_every: int = 20          # iterations between checkpoints (and one at the end)
     keep_checkpoints: int = 2     # newest checkpoints kept; older ones are deleted after a successful save
     eval_every: int = 0           # iterations between held-out evals (0 = at start and end only)
@@ -272,6 +286,19 @@ class Config:
         if s.sde_window_size < 0 or s.sde_window_size > s.num_steps - 1:
             raise ValueError(f"sampler.sde_window_size must be in [0, num_steps - 1 = {s.num_steps - 1}], "
                              f"got {s.sde_window_size}")
+        _choice("sampler.window_schedule", s.window_schedule, ("random", "sliding"))
+        _choice("sampler.ode_solver", s.ode_solver, ("euler", "dpm2m"))
+        _choice("algo.kl_reference", self.algo.kl_reference, ("base", "ema"))
+        if s.ode_stride < 1 or s.window_shift_every < 1 or s.forward_timesteps < 1:
+            raise ValueError("sampler.ode_stride, sampler.window_shift_every and sampler.forward_timesteps must be >= 1")
+        r = s.forward_t_range
+        if len(r) != 2 or not 0 <= r[0] < r[1] <= 1:
+            raise ValueError(f"sampler.forward_t_range must be [lo, hi] with 0 <= lo < hi <= 1, got {s.forward_t_range}")
+        if self.algo.kl_reference == "ema" and self.algo.kl_coef > 0 and t.ema_decay == 0:
+            raise ValueError("algo.kl_reference=ema takes the EMA of the trained weights as the reference: set "
+                             "train.ema_decay (e.g. 0.9), or algo.kl_reference=base")
+        if self.algo.nft_beta <= 0:
+            raise ValueError(f"algo.nft_beta must be > 0, got {self.algo.nft_beta}")
         self._validate_tree()
         if self.task.name == "prompt_file" and not self.task.prompt_file:
             raise ValueError("task.name=prompt_file needs task.prompt_file=PATH (a text file, one prompt per line)")
@@ -280,7 +307,9 @@ class Config:
 
     # keys that only one kind of policy reads: set for the other, they would be ignored silently
     FLOW_ONLY = {"sampler": ("kind", "num_steps", "noise_level", "cfg_scale", "shift", "sde_window_size",
-                             "sde_window_range", "logprob_reduce", "shared_noise", "eval_steps", "eval_cfg_scale"),
+                             "sde_window_range", "logprob_reduce", "shared_noise", "eval_steps", "eval_cfg_scale",
+                             "window_schedule", "window_shift_every", "ode_solver", "ode_stride", "forward_timesteps",
+                             "forward_t_range"),
                  "model": ("sample_size", "num_frames", "guidance", "text_cache", "offload")}
     TOKEN_ONLY = {"sampler": ("temperature", "top_p", "max_new_tokens", "engine", "vllm"),
                   "model": ("shared_prefix", "freeze_vision")}

@@ -69,6 +69,7 @@ class Trainer:
         self.ema = EMA(self.params, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
         self.iteration = 0
         self.watch = SignalWatch(cfg.reward, cfg.task.name, cfg.train.zero_signal_patience)
+        self.timed_evals: list[dict] = []
         self.elapsed_min = 0.0  # training minutes so far (saved: a resumed run keeps its budget and lr schedule)
         # One optimizer step per epoch: every row's first forward runs under the sampling weights, so the
         # rollout's old log-probs are that forward's (detached) values; policies that must pay an extra
@@ -99,14 +100,18 @@ class Trainer:
             self.logger.scalars(it, metrics)
             out_of_time = t.time_budget_min > 0 and self.elapsed_min >= t.time_budget_min
             last = self.iteration == t.iterations or out_of_time
-            if cfg.log.eval_every and self.iteration % cfg.log.eval_every == 0 and not last:
-                self.evaluate(self.iteration)
+            timed = cfg.log.eval_every_min and self.elapsed_min >= cfg.log.eval_every_min * (1 + len(self.timed_evals))
+            if (cfg.log.eval_every and self.iteration % cfg.log.eval_every == 0 or timed) and not last:
+                res = self.evaluate(self.iteration)
+                if timed:
+                    self.timed_evals.append({"minutes": self.elapsed_min, "iteration": self.iteration, **res})
             if self.iteration % cfg.log.save_every == 0 or last:
                 self.save()
             if out_of_time:
                 log.warning("train.time_budget_min=%s reached after %d iterations", t.time_budget_min, self.iteration)
                 break
         results["eval_end"] = self.evaluate(self.iteration)
+        results["eval_timed"] = self.timed_evals  # log.eval_every_min: [{minutes, iteration, metrics...}]
         results["iterations"] = self.iteration
         with open(os.path.join(cfg.log.out_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=2)
@@ -119,6 +124,7 @@ class Trainer:
         cfg, t, a = self.cfg, self.cfg.train, self.cfg.algo
         seed = t.seed * 1_000_003 + it  # per-iteration seeds: resuming needs no RNG state
         torch.manual_seed(seed)
+        self.policy.iteration = it  # schedules that move with training (sampler.window_schedule=sliding)
         rollout, rewards, valid, metrics = self._collect(random.Random(seed), torch.Generator().manual_seed(seed))
         metrics["rollout/actions_mean"] = rollout.action_mask.sum(-1).float().mean().item()  # tokens: completion length
         local = (rollout, valid)
@@ -186,7 +192,7 @@ class Trainer:
         a, r = self.cfg.algo, self.cfg.reward
 
         def sample(chunk):  # sampling computes like the training forward (bf16 under mixed precision)
-            with self.timer("rollout"), self._autocast():
+            with self.timer("rollout"), self.dist.autocast(self.cfg.train.mixed_precision, self.policy.device):
                 rollout = self.dist.sample(self.policy, chunk, self.cfg.train.group_size, gen)
                 return OFFPOLICY[a.offpolicy](self.policy, rollout, self.task)[0]
 
@@ -206,14 +212,6 @@ class Trainer:
         keys = set.intersection(*(set(s[0]) for _, s in scored))  # a per-sample retry may drop component keys
         rewards = {key: torch.cat([s[0][key] for _, s in scored]) for key in sorted(keys)}
         return rollout, rewards, torch.cat([s[1] for _, s in scored]), sum(s[2] for _, s in scored)
-
-    def _autocast(self):
-        """train.mixed_precision=bf16: the training forward under bf16 autocast (FSDP2 instead computes in bf16
-        through its MixedPrecisionPolicy); log-probs and the loss are computed in fp32 from its outputs."""
-        t = self.cfg.train
-        if t.mixed_precision != "bf16" or (t.parallel == "fsdp" and self.dist.world > 1):
-            return contextlib.nullcontext()
-        return torch.autocast(torch.device(self.policy.device).type, dtype=torch.bfloat16)
 
     def optimize(self, rollout: Rollout, adv: torch.Tensor) -> dict:
         if self.dist.world > 1:
@@ -269,7 +267,10 @@ class Trainer:
         optimizer step's sizes: the gradients of the parts add up to the gradient of the whole minibatch."""
         a = self.cfg.algo
         kw = {} if actions is None else {"actions": actions}
-        with self._autocast():
+        if a.kl_coef > 0:  # before the forward with gradients: the EMA reference swaps the weights in place
+            with torch.no_grad(), self.ema.swapped() if a.kl_reference == "ema" else self.policy.reference():
+                ref = self.policy.log_prob(rollout, idx, **kw)
+        with self.dist.autocast(self.cfg.train.mixed_precision, self.policy.device):
             out = self.policy.log_prob(rollout, idx, **kw)
         deferred = torch.isnan(rollout.old_log_prob[idx])
         if deferred.any():  # fill deferred old log-probs from this first forward (weights unchanged)
@@ -280,10 +281,10 @@ class Trainer:
         dev = out.log_prob.device  # the loss runs where the log-probs are; bookkeeping comes from CPU
         mb = rollout.select(idx).to(dev)
         logp = RATIO_TRANSFORMS[a.ratio](out.log_prob, mb.old_log_prob, mb, out)
-        loss_a, s = POLICY_LOSSES[a.policy_loss](logp, mb.old_log_prob, adv[idx].to(dev), a)
+        loss_fn = POLICY_LOSSES[a.policy_loss]  # forward-process losses (nft) read the velocities in `out` too
+        loss_a, s = loss_fn(logp, mb.old_log_prob, adv[idx].to(dev), a, *((out,) if getattr(loss_fn, "needs_output",
+                                                                                              False) else ()))
         if a.kl_coef > 0:
-            with torch.no_grad(), self.policy.reference():
-                ref = self.policy.log_prob(rollout, idx, **kw)
             kl = KL_ESTIMATORS[a.kl](out, ref)
             loss_a = loss_a + a.kl_coef * kl
             s["kl"] = kl.detach()

@@ -33,3 +33,11 @@ def flow_mean(cur, ref):
     which only rescales beta per step. Needs stats "mean" [n, A, *D] and "std" [n, A]."""
     d2 = (cur.stats["mean"] - ref.stats["mean"]).pow(2).flatten(2).mean(-1)  # [n, A]
     return d2 / (2 * cur.stats["std"].pow(2).clamp(min=1e-12))
+
+
+@KL_ESTIMATORS.register("flow_velocity")
+def flow_velocity(cur, ref):
+    """KL in velocity space (MixGRPO-Flash, AWM, DiffusionNFT's v-based regularizer): mean_dims((v - v_ref)^2) / 2.
+    For two Euler-like steps x + v dt + std z it is the step KL up to the factor dt^2 / std^2, so it does not need
+    an SDE step (forward-process objectives, ODE samplers). Needs stats "velocity" [n, A, *D]."""
+    return 0.5 * (cur.stats["velocity"].float() - ref.stats["velocity"].float()).pow(2).flatten(2).mean(-1)

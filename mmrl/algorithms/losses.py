@@ -53,3 +53,60 @@ def token_mean(loss, mask, num_samples, num_actions):
 def seq_sum_norm(loss, mask, num_samples, num_actions):
     """Dr.GRPO: sum over all actions / (num_samples * A), A = the padded action length."""
     return (loss * mask.to(loss.dtype)).sum() / (num_samples * loss.shape[-1])
+
+
+# ---------------------------------------------------------------------------------- forward-process losses
+# These train on the forward (noising) process of a rollout's final samples instead of its sampling steps; the
+# flow policy then scores "actions" that are noise levels t of a final sample x0 (docs/algorithms.md §11). Their
+# `objective` attribute tells the flow policy which rollout to record; `needs_output` that the loss reads the
+# policy's velocities (PolicyOutput.stats) besides the log-probs.
+
+
+def awm(log_prob, old_log_prob, advantages, cfg):
+    """Advantage Weighted Matching (AWM, arXiv 2509.25050): the flow-matching loss of each sample weighted by its
+    advantage. The forward-process "log-prob" is -l, l = mean_d (v_theta(x_t, t) - (eps - x0))^2, so the policy
+    gradient of -A * logp is A * grad l (good samples' matching loss goes down, bad ones' up); the ratio
+    exp(l_old - l) is clipped as in PPO (algo.clip_range) to bound each update."""
+    return ppo_clip(log_prob, old_log_prob, advantages, cfg)
+
+
+awm.objective = "forward"
+POLICY_LOSSES.register("awm")(awm)
+
+
+def nft_optimality(advantages: torch.Tensor, adv_clip: float) -> torch.Tensor:
+    """DiffusionNFT's optimality probability r = clip(A, -c, c) / c / 2 + 1/2 in [0, 1] (c = algo.adv_clip)."""
+    return advantages.clamp(-adv_clip, adv_clip) / adv_clip / 2 + 0.5
+
+
+def _x0_error(d: torch.Tensor) -> torch.Tensor:
+    """Adaptive-weighted x0 error of the x0 prediction errors d [n, A, *D]: mean_d d^2 / sg(mean_d |d|) -> [n, A]."""
+    d = d.flatten(2)
+    return d.pow(2).mean(-1) / d.detach().abs().mean(-1).clamp(min=1e-5)
+
+
+def nft(log_prob, old_log_prob, advantages, cfg, out):
+    """DiffusionNFT (arXiv 2509.16117): implicit positive / negative policies around the old (sampling) velocity,
+
+        v+ = (1 - beta) v_old + beta v_theta,   v- = (1 + beta) v_old - beta v_theta,
+
+    each trained to predict x0 from x_t = (1 - t) x0 + t eps (x0_hat = x_t - t v, so x0_hat - x0 = t (eps - x0 - v)):
+
+        L = c [ r l(v+) + (1 - r) l(v-) ] / beta,   l(v) = mean_d (x0_hat - x0)^2 / sg(mean_d |x0_hat - x0|),
+
+    r = nft_optimality(A, c). Good samples (r > 1/2) pull v_theta towards their x0, bad ones push it away. Needs
+    out.stats "velocity", "old_velocity", "target" (eps - x0) [n, A, *D] and "sigma" (t) [n, A]."""
+    s, beta, c = out.stats, cfg.nft_beta, cfg.adv_clip
+    r = nft_optimality(_per_action(advantages, log_prob), c)                                 # [n, A]
+    v, v_old = s["velocity"].float(), s["old_velocity"].float()
+    t = s["sigma"].float().reshape(*s["sigma"].shape, *([1] * (v.dim() - 2)))                 # [n, A, 1...]
+    pos = _x0_error(t * (s["target"] - ((1 - beta) * v_old + beta * v)))
+    neg = _x0_error(t * (s["target"] - ((1 + beta) * v_old - beta * v)))
+    loss = c * (r * pos + (1 - r) * neg) / beta
+    return loss, {"ratio": torch.exp(log_prob - old_log_prob).detach(), "nft_r": r.detach(),
+                  "nft_positive": pos.detach(), "nft_negative": neg.detach()}
+
+
+nft.objective = "forward"
+nft.needs_output = True
+POLICY_LOSSES.register("nft")(nft)

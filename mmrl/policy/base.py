@@ -61,6 +61,7 @@ class PolicyDefaults:
     samples_rows = False
     scores_actions = False
     defer_old_log_prob = False
+    iteration = 0  # the trainer's iteration, set before each rollout (schedules that move with training read it)
 
     def sync_weights(self) -> None:
         pass

@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from mmrl.algorithms.losses import POLICY_LOSSES
 from mmrl.cache import BoundedCache
 from mmrl.data import PolicyOutput, Rollout, group_ids
 from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, save_lora_adapter, upcast_trainable,
@@ -23,7 +24,7 @@ from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind,
 from mmrl.models.flow_model import EXPERTS, FlowModel, sigma_schedule
 from mmrl.models.pipelines import load_flow_model
 from mmrl.rollout.tree import run_tree, trained_steps
-from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std
+from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std, strided_schedule
 
 WEIGHTS_FILE = "trainable.safetensors"
 
@@ -31,7 +32,7 @@ WEIGHTS_FILE = "trainable.safetensors"
 class FlowPolicy(PolicyDefaults):
     def __init__(self, model: FlowModel, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = "",
                  progress: bool = False, tree_cfg=None, model_options: dict | None = None, micro_batch: int = 0,
-                 text_cache: int = 1024, offload: bool = False):
+                 text_cache: int = 1024, offload: bool = False, objective: str = "transitions"):
         from mmrl.config import TreeConfig
 
         self.model, self.cfg, self.model_path, self.progress = model, sampler_cfg, model_path, progress
@@ -65,6 +66,7 @@ class FlowPolicy(PolicyDefaults):
         self.micro_batch = micro_batch  # rows per forward without gradients (sampling, decoding); 0 = all
         self.text_cache = BoundedCache(text_cache, 2**30)  # prompt -> (enc [L, D], pooled [P])
         self.offload = offload  # frozen parts (text encoders, VAE, reference copy) wait on CPU between uses
+        self.objective = objective  # transitions: the SDE steps are the actions | forward: noise levels of x0 (§11)
         if offload:
             for m in (*model.text_modules, *(self._ref_copy or {}).values()):
                 m.to("cpu")
@@ -76,7 +78,11 @@ class FlowPolicy(PolicyDefaults):
         size = self.cfg.sde_window_size or last
         lo, hi = self.cfg.sde_window_range
         hi = last - size + 1 if hi < 0 else min(hi, last - size + 1)
-        start = lo + int(torch.randint(0, max(hi - lo, 1), (1,), generator=generator)) if hi > lo else lo
+        draw = int(torch.randint(0, hi - lo, (1,), generator=generator)) if hi > lo else 0  # drawn either way
+        if self.cfg.window_schedule == "sliding":  # MixGRPO: one step later every window_shift_every iterations
+            start = min(lo + self.iteration // self.cfg.window_shift_every, max(hi - 1, lo))
+        else:
+            start = lo + draw if hi > lo else lo
         return list(range(start, start + size))
 
     @contextlib.contextmanager
@@ -143,24 +149,48 @@ class FlowPolicy(PolicyDefaults):
         else:
             traj, steps, extra = self._sample_chain(texts, group_size, generator, rows.tolist())
         n, w = len(rows), torch.tensor(steps)
-        a = len(steps)
+        p = torch.tensor(extra.pop("pos", steps))                   # where the trained steps sit in the trajectory
+        seeds = extra.pop("seeds", None)
         enc, pooled = extra.pop("enc"), extra.pop("pooled")
-        extras = {
-            "latents": traj.latents[:, w],                           # [N, A, C, H, W] x_t
-            "next_latents": traj.latents[:, w + 1],                  # [N, A, C, H, W] x_{t+1}
-            "old_mean": traj.mean[:, w],                             # [N, A, C, H, W]
-            "std": traj.std[:, w],                                   # [N, A]
-            "sigma": self.sigmas[w].expand(n, a).clone(),            # [N, A]
-            "sigma_next": self.sigmas[w + 1].expand(n, a).clone(),   # [N, A]
-            "step_index": w.expand(n, a).clone(),                    # [N, A]
-            "enc": enc, "pooled": pooled,                            # [N, L, D], [N, P]
-            **{k: v[:, w] if v.dim() == 2 else v for k, v in extra.items()},
-        }
+        if self.objective == "forward":
+            extras, old_log_prob = self._forward_actions(traj.latents[:, -1], enc, pooled, seeds)
+        else:
+            a = len(steps)
+            extras = {
+                "latents": traj.latents[:, p],                           # [N, A, C, H, W] x_t
+                "next_latents": traj.latents[:, p + 1],                  # [N, A, C, H, W] x_{t+1}
+                "old_mean": traj.mean[:, p],                             # [N, A, C, H, W]
+                "std": traj.std[:, p],                                   # [N, A]
+                "sigma": self.sigmas[w].expand(n, a).clone(),            # [N, A]
+                "sigma_next": self.sigmas[w + 1].expand(n, a).clone(),   # [N, A]
+                "step_index": w.expand(n, a).clone(),                    # [N, A]
+                **{k: v[:, w] if v.dim() == 2 else v for k, v in extra.items()},
+            }
+            old_log_prob = traj.log_prob[:, p]
+        extras.update(enc=enc, pooled=pooled)                            # [N, L, D], [N, P]
         with self._onload(self.model.text_modules):
             images = in_chunks(self.model.decode, self.micro_batch, traj.latents[:, -1])
-        return Rollout(group_id=group_ids(len(texts), group_size)[rows], old_log_prob=traj.log_prob[:, w],
-                       action_mask=torch.ones(n, a, dtype=torch.bool),
+        return Rollout(group_id=group_ids(len(texts), group_size)[rows], old_log_prob=old_log_prob,
+                       action_mask=torch.ones_like(old_log_prob, dtype=torch.bool),
                        examples=[examples[i // group_size] for i in rows.tolist()], outputs=images, extras=extras)
+
+    def _forward_actions(self, x0: torch.Tensor, enc: torch.Tensor, pooled: torch.Tensor, seeds: list[int]):
+        """The actions of forward-process losses (algo.policy_loss=awm | nft; docs/algorithms.md §11): for each final
+        sample x0 [n, *D], K = sampler.forward_timesteps noise levels t ~ U(forward_t_range) and noises eps drawn
+        from the row's seed, x_t = (1 - t) x0 + t eps, and the sampling weights' velocity there (no gradient).
+        Old log-prob of an action: -mean_d (v_old - (eps - x0))^2, the negative flow-matching loss."""
+        k, (lo, hi) = self.cfg.forward_timesteps, self.cfg.forward_t_range
+        gens = [torch.Generator().manual_seed((s * 1_000_003 + 54_321) % 2**63) for s in seeds]
+        t = torch.stack([lo + (hi - lo) * torch.rand(k, generator=g) for g in gens]).to(x0.device)     # [n, K]
+        eps = torch.stack([torch.randn(k, *x0.shape[1:], generator=g) for g in gens]).to(x0)           # [n, K, *D]
+        tb = t.reshape(*t.shape, *([1] * (x0.dim() - 1)))
+        xt = (1 - tb) * x0[:, None] + tb * eps                                                          # [n, K, *D]
+        v = self._velocity_fn(enc.repeat_interleave(k, 0), pooled.repeat_interleave(k, 0))(xt.flatten(0, 1),
+                                                                                           t.flatten())
+        v, target = v.float().view_as(xt), (eps - x0[:, None]).float()
+        extras = {"latents": xt, "target": target, "old_velocity": v, "sigma": t,
+                  "step_index": torch.arange(k).expand(len(x0), k).clone()}
+        return extras, -(v - target).pow(2).flatten(2).mean(-1).cpu()
 
     def _seeds(self, n: int, generator: torch.Generator) -> list[int]:
         return torch.randint(0, 2**31 - 1, (n,), generator=generator).tolist()
@@ -176,9 +206,12 @@ class FlowPolicy(PolicyDefaults):
         kinds = ["ode"] * self.cfg.num_steps
         for i in window:
             kinds[i] = self.cfg.kind
-        traj = run_chain(self._velocity_fn(enc, pooled), x, self.sigmas, kinds, self.cfg.noise_level,
-                         generator=step_noise, reduce=self.cfg.logprob_reduce, progress=self.progress)
-        return traj, window, {"enc": enc, "pooled": pooled}
+        sigmas, kinds, pos = strided_schedule(self.sigmas, kinds, self.cfg.ode_stride)  # MixGRPO-Flash when > 1
+        traj = run_chain(self._velocity_fn(enc, pooled), x, sigmas, kinds, self.cfg.noise_level,
+                         generator=step_noise, reduce=self.cfg.logprob_reduce, progress=self.progress,
+                         ode_solver=self.cfg.ode_solver)
+        return traj, window, {"enc": enc, "pooled": pooled, "pos": [pos[i] for i in window],
+                              "seeds": [seeds[i] for i in rows]}
 
     def _sample_tree(self, texts, generator):
         t = self.tree
@@ -219,18 +252,23 @@ class FlowPolicy(PolicyDefaults):
             mask[0, 0] = True  # keep a graph so backward works; the trainer's mask zeroes this action's loss
         rows, cols = mask.nonzero(as_tuple=True)                      # k trained actions
         pick = lambda t: t[rows, cols]                                # [n, A, ...] -> [k, ...]
+        place = lambda base, val: base.index_put((rows, cols), val)   # [k, ...] into [n, A, ...], differentiable
+        old = rollout.old_log_prob[index].to(self.device)
+        v = self._velocity_fn(e["enc"][rows], e["pooled"][rows])(pick(e["latents"]), pick(e["sigma"])).float()
+        if self.objective == "forward":  # the negative flow-matching loss of each noise level (§11)
+            lp = -(v - pick(e["target"])).pow(2).flatten(1).mean(1)
+            return PolicyOutput(place(old, lp), {"velocity": place(e["old_velocity"], v), "sigma": e["sigma"],
+                                                 "old_velocity": e["old_velocity"], "target": e["target"]})
         sigma, sigma_next, std = pick(e["sigma"]), pick(e["sigma_next"]), pick(e["std"])
         x = pick(e["latents"])
-        v = self._velocity_fn(e["enc"][rows], e["pooled"][rows])(x, sigma)
         mean, _ = step_mean_std(self.cfg.kind, x, v, sigma, sigma_next, self.cfg.noise_level, float(self.sigmas[1]))
         lp = gaussian_log_prob(pick(e["next_latents"]), mean, std, self.cfg.logprob_reduce)
         # GRPO-Guard's ratio bias b = reduce_d(dmu^2) / (2 std^2), per sample and step, dmu = mean - rollout mean
         sq = (mean - pick(e["old_mean"])).pow(2).flatten(1)
         sq = sq.mean(1) if self.cfg.logprob_reduce == "mean" else sq.sum(1)
         bias = sq / (2 * std.clamp(min=1e-12) ** 2)
-        old = rollout.old_log_prob[index].to(lp)
-        place = lambda base, val: base.index_put((rows, cols), val)   # [k, ...] into [n, A, ...], differentiable
-        return PolicyOutput(place(old, lp), {"mean": place(e["old_mean"], mean), "std": e["std"],
+        return PolicyOutput(place(old.to(lp), lp), {"mean": place(e["old_mean"], mean), "std": e["std"],
+                                             "velocity": place(torch.zeros_like(e["latents"], dtype=v.dtype), v),
                                              "ratio_bias": place(torch.zeros_like(old), bias),
                                              "schedule_std_mean": torch.tensor(self.schedule_std_mean)})
 
@@ -371,8 +409,9 @@ def build_flow_policy(cfg) -> FlowPolicy:
                          f"base model folder")
     options = {"sample_size": cfg.model.sample_size, "num_frames": cfg.model.num_frames, "guidance": cfg.model.guidance}
     model = load_flow_model(path, dtype, device, **options)
+    objective = getattr(POLICY_LOSSES[cfg.algo.policy_loss], "objective", "transitions")
     return FlowPolicy(model, cfg.sampler, cfg.model.lora, reference_kind(cfg), path, cfg.log.progress, cfg.tree,
-                      options, cfg.train.micro_batch, cfg.model.text_cache, cfg.model.offload)
+                      options, cfg.train.micro_batch, cfg.model.text_cache, cfg.model.offload, objective)
 
 
 def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:

@@ -65,7 +65,7 @@ def sde_mean(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, dt: torch.Te
     return x + (v + s**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt
 
 
-SDE_KINDS = ("flow_grpo", "dance", "cps")  # sampler.kind (training); "ode" is evaluation only
+SDE_KINDS = ("flow_grpo", "dance", "cps")  # sampler.kind (training); "ode" only with forward-process losses
 
 
 def step_mean_std(kind: str, x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
@@ -123,21 +123,72 @@ class Trajectory:
 
 
 @torch.no_grad()
+def dpm2m_step(x: torch.Tensor, x0: torch.Tensor, x0_prev: torch.Tensor | None, sigma_prev: float | None,
+               sigma: float, sigma_next: float) -> torch.Tensor:
+    """One DPM-Solver++(2M) ODE step (Lu et al. 2022, arXiv 2211.01095, data prediction; docs/algorithms.md §12) in the
+    flow-matching convention alpha = 1 - sigma, lambda = log(alpha / sigma). x0 = x - sigma v is this step's data
+    prediction, x0_prev the previous step's (at sigma_prev):
+
+        h = lambda_next - lambda,  r = (lambda - lambda_prev) / h,  D = (1 + 1/(2r)) x0 - x0_prev / (2r)
+        x_next = (sigma_next / sigma) x - alpha_next (exp(-h) - 1) D
+
+    First order (D = x0, which is exactly the Euler step of the velocity) without a usable previous prediction
+    (first step, previous sigma 1) and on the last step to sigma 0, as diffusers' solver does."""
+    if x0_prev is None or sigma_prev is None or sigma_prev >= 1.0 or sigma_next <= 0.0 or sigma >= 1.0:
+        return x + (sigma_next - sigma) / sigma * (x - x0)  # = x + v dt
+    lam = lambda s: math.log((1 - s) / s)  # noqa: E731
+    h = lam(sigma_next) - lam(sigma)
+    r = (lam(sigma) - lam(sigma_prev)) / h
+    d = (1 + 1 / (2 * r)) * x0 - x0_prev / (2 * r)
+    return sigma_next / sigma * x - (1 - sigma_next) * math.expm1(-h) * d
+
+
+def strided_schedule(sigmas: torch.Tensor, kinds: list[str], stride: int) -> tuple[torch.Tensor, list[str], list[int]]:
+    """MixGRPO-Flash: the ODE runs outside the SDE steps take every `stride`-th sigma of the schedule (their last
+    sigma kept), the SDE steps keep theirs. Returns (sigmas' [S' + 1], kinds' [S'], pos): pos[i] = the index in the
+    new schedule of original step i when it is kept (every SDE step is), else -1."""
+    keep, i, n = [0], 0, len(kinds)
+    while i < n:
+        if kinds[i] != "ode":
+            i += 1
+        else:
+            end = i
+            while end < n and kinds[end] == "ode":
+                end += 1
+            i = min(i + stride, end)
+        keep.append(i)
+    pos = [-1] * n
+    for j, k in enumerate(keep[:-1]):
+        pos[k] = j
+    return sigmas[keep], [kinds[k] for k in keep[:-1]], pos  # a strided jump starts at an ODE step
+
+
 def run_chain(velocity, x: torch.Tensor, sigmas: torch.Tensor, kinds: list[str], noise_level: float,
               generator: torch.Generator | None = None, reduce: str = "mean", record: bool = True,
-              progress: bool = False) -> Trajectory:
+              progress: bool = False, ode_solver: str = "euler") -> Trajectory:
     """Integrate from sigmas[0] to sigmas[-1]. velocity(x [N, *D], sigma [N]) -> v [N, *D].
 
-    kinds[i] in {"ode", "flow_grpo", "dance", "cps"} is the sampler of step i (len(kinds) = len(sigmas) - 1).
-    With record=False only the final sample is kept (latents has S + 1 = 2 entries: x_0 and x_S).
+    kinds[i] in {"ode", "flow_grpo", "dance", "cps"} is the sampler of step i (len(kinds) = len(sigmas) - 1);
+    ode_solver ("euler" | "dpm2m") integrates the "ode" steps. With record=False only the final sample is kept
+    (latents has S + 1 = 2 entries: x_0 and x_S).
     """
     n = x.shape[0]
     sigma_max = float(sigmas[1]) if len(sigmas) > 1 else 0.0
     xs, lps, means, stds = [x], [], [], []
+    x0_prev = sigma_prev = None
     for i, kind in enumerate(tqdm(kinds, desc="rollout", leave=False, disable=not progress)):
         sig = sigmas[i].expand(n).to(x.device)
         sig_next = sigmas[i + 1].expand(n).to(x.device)
-        out = step(kind, x, velocity(x, sig), sig, sig_next, noise_level, sigma_max, generator, reduce)
+        v = velocity(x, sig)
+        if kind == "ode" and ode_solver == "dpm2m":
+            s, s_next = float(sigmas[i]), float(sigmas[i + 1])
+            x0 = x.float() - s * v.float()
+            nxt = dpm2m_step(x.float(), x0, x0_prev, sigma_prev, s, s_next)
+            out = StepOut(nxt, nxt, torch.zeros_like(sig), torch.zeros_like(sig))
+        else:
+            out = step(kind, x, v, sig, sig_next, noise_level, sigma_max, generator, reduce)
+        if ode_solver == "dpm2m":
+            x0_prev, sigma_prev = x.float() - float(sigmas[i]) * v.float(), float(sigmas[i])
         x = out.next
         if record:
             xs.append(x)
