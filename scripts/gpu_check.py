@@ -1,13 +1,13 @@
 """GPU acceptance: on a machine with CUDA, check what CPU-only CI cannot.
 
-    python scripts/gpu_check.py                  # the device tests on CUDA + one iteration of each GPU config
+    python scripts/gpu_check.py                  # the device tests on CUDA + two iterations of each GPU config
     python scripts/gpu_check.py --quick          # the configs only
     python scripts/gpu_check.py --device cpu     # the same iterations on CPU (no CUDA needed; what CI runs)
 
 1. `pytest -m gpu tests/test_device.py`: the trainer's real step with the policy on CUDA, equal to the CPU step.
-2. One training iteration of every shipped GPU config (SD3.5, FLUX.1, Wan2.x, Qwen2.5-VL grounding, SmolLM2
-   arithmetic) on tiny random-init pipelines of the same real classes, in bf16 with gradient checkpointing and
-   micro-batches, each timed; peak memory is torch.cuda.max_memory_allocated (on CPU: the resident peak).
+2. Two training iterations of every shipped GPU config (SD3.5 Flow-GRPO and MixGRPO-Flash, FLUX.1, Wan2.x,
+   Qwen-Image DiffusionNFT, Z-Image AWM, Qwen2.5-VL grounding, SmolLM2 arithmetic) on tiny random-init pipelines of
+   the same real classes, in bf16 with gradient checkpointing and micro-batches, the second timed; peak memory is torch.cuda.max_memory_allocated (on CPU: the resident peak).
 Exits 2 when CUDA is asked for and absent. The last line is one JSON object.
 """
 
@@ -27,6 +27,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_CONFIGS = {
     "t2i/sd35_geneval_lora": "sd3",
     "t2i/flux_lora": "flux",
+    "t2i/sd35_mixgrpo_flash_lora": "sd3_flash",
+    "t2i/qwen_image_nft_lora": "qwen_image",
+    "t2i/z_image_awm_lora": "z_image",
     "t2v/wan_lora": "wan",
     "grounding/charades_qwen25vl_lora": "qwen_vl",
     "text/smollm2_arithmetic": "causal_lm",
@@ -38,13 +41,18 @@ def build_models(tmp: str) -> dict[str, list[str]]:
     import torch
 
     from mmrl.models.qwen_vl import build_causal_lm, build_model, build_processor, build_tokenizer
-    from mmrl.models.tiny_pipelines import build_tiny_flux_pipeline, build_tiny_sd3_pipeline, build_tiny_wan_pipeline
+    from mmrl.models.tiny_pipelines import (build_tiny_flux_pipeline, build_tiny_qwen_image_pipeline,
+                                            build_tiny_sd3_pipeline, build_tiny_wan_pipeline,
+                                            build_tiny_z_image_pipeline)
     from tasks.grounding_world import ANSWER, PROMPT, build_world
 
-    paths = {k: os.path.join(tmp, k) for k in ("sd3", "flux", "wan", "qwen_vl", "causal_lm", "world")}
+    paths = {k: os.path.join(tmp, k) for k in ("sd3", "flux", "wan", "qwen_image", "z_image", "qwen_vl", "causal_lm",
+                                               "world")}
     build_tiny_sd3_pipeline().save_pretrained(paths["sd3"])
     build_tiny_flux_pipeline().save_pretrained(paths["flux"])
     build_tiny_wan_pipeline().save_pretrained(paths["wan"])
+    build_tiny_qwen_image_pipeline().save_pretrained(paths["qwen_image"])
+    build_tiny_z_image_pipeline().save_pretrained(paths["z_image"])
     torch.manual_seed(0)
     tok = build_tokenizer([PROMPT, ANSWER, "red green blue yellow circle square triangle appears shown visible"])
     build_model("qwen2_5_vl", tok, "tiny").save_pretrained(paths["qwen_vl"])
@@ -60,6 +68,9 @@ def build_models(tmp: str) -> dict[str, list[str]]:
         "sd3": [f"model.path={paths['sd3']}", *flow],
         "flux": [f"model.path={paths['flux']}", *flow],
         "wan": [f"model.path={paths['wan']}", *flow, "model.sample_size=4", "model.num_frames=5"],
+        "sd3_flash": [f"model.path={paths['sd3']}", *flow, "sampler.sde_window_size=2"],
+        "qwen_image": [f"model.path={paths['qwen_image']}", *flow],
+        "z_image": [f"model.path={paths['z_image']}", *flow],
         "qwen_vl": [f"model.path={paths['qwen_vl']}", *small, "task.name=grounding_world", "task.kwargs={}",
                     f"task.kwargs.root={paths['world']}", "task.kwargs.train_videos=4", "task.kwargs.test_videos=2",
                     "sampler.max_new_tokens=8", "video.min_pixels=3136", "video.max_pixels=3136",
@@ -84,9 +95,10 @@ def one_iteration(config: str, overrides: list[str], device: str, out_dir: str) 
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    tr.step(0)  # two iterations: the second is timed (warm caches), and trains on weights the first moved
     before = reset_peak()
     t0 = time.perf_counter()
-    m = tr.step(0)
+    m = tr.step(1)
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0

@@ -195,3 +195,20 @@ def test_trainer_steps_move_the_weights(tiny_pixel_model, tmp_path, items):
 def test_config_errors_name_the_fix(items, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, items)
+
+
+@pytest.mark.parametrize("config", ["shapes_nft", "shapes_awm", "shapes_mixgrpo_flash"])
+def test_new_configs_train_two_iterations(tiny_pixel_model, tmp_path, config):
+    """Each shipped config of these methods, on the tiny pixel model with a small batch: 2 iterations, a checkpoint,
+    held-out evaluations at the start and the end (the GPU configs run in scripts/gpu_check.py --device cpu)."""
+    import os
+
+    from mmrl.trainer import train
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(root, "configs", "t2i", config + ".yaml"), [
+        f"model.path={tiny_pixel_model}", "train.prompts_per_iter=2", "train.group_size=4", "train.iterations=2",
+        "task.eval_prompts=4", "sampler.eval_steps=2", f"log.out_dir={tmp_path}", "log.progress=false"])
+    res = train(cfg)
+    assert res["iterations"] == 2 and res["eval_end"]["n"] == 4
+    assert os.path.isdir(tmp_path / "checkpoints" / "iter-000002")

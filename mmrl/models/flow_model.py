@@ -49,6 +49,8 @@ class FlowModel:
     call: Callable = sd3_call                    # (transformer, x, sigma, enc, pooled) -> output like x
     lora_targets: tuple[str, ...] = SD3_LORA_TARGETS
     schedule_mu: float | None = None             # FLUX dynamic shift (replaces sampler.shift); None = static shift
+    shift_terminal: float | None = None          # Qwen-Image: the dynamic schedule stretched to end at this sigma
+    linspace_sigmas: bool = False                # Z-Image: a static shift of linspace(1, 1/S, S), as its pipeline
     transformer_2: torch.nn.Module | None = None  # Wan2.2 A14B: the low-noise expert, used below `boundary`
     boundary: float | None = None                # sigma at which transformer_2 takes over (boundary_ratio)
 
@@ -84,7 +86,7 @@ class FlowModel:
         device = next(self.transformer.parameters()).device
         enc, pooled = self.encode_prompts(texts)
         neg = self.negative(len(texts)) if cfg_scale != 1.0 else None
-        sigmas = sigma_schedule(num_steps, shift, self.schedule_mu)
+        sigmas = sigma_schedule(num_steps, shift, self.schedule_mu, self.shift_terminal, self.linspace_sigmas)
         traj = run_chain(lambda x, s: self.velocity(x, s, enc, pooled, cfg_scale, neg),
                          self.initial_noise(seeds, device), sigmas, ["ode"] * num_steps, 0.0, record=False)
         return self.decode(traj.latents[:, -1])
@@ -121,18 +123,20 @@ def velocity_from_prediction(out: torch.Tensor, x: torch.Tensor, sigma: torch.Te
     raise ValueError(f"unknown prediction {prediction!r}; valid: {PREDICTIONS}")
 
 
-def sigma_schedule(num_steps: int, shift: float = 1.0, mu: float | None = None) -> torch.Tensor:
+def sigma_schedule(num_steps: int, shift: float = 1.0, mu: float | None = None,
+                   shift_terminal: float | None = None, linspace: bool = False) -> torch.Tensor:
     """[num_steps + 1] sigmas from 1 to 0 as diffusers' FlowMatchEulerDiscreteScheduler sets them: a static shift
     s (SD3: sigma' = s sigma / (1 + (s - 1) sigma)), or, when mu is given, FLUX's resolution-dependent shift
-    sigma' = e^mu / (e^mu + 1 / sigma - 1) of sigma = linspace(1, 1 / S, S), as FluxPipeline calls it."""
+    sigma' = e^mu / (e^mu + 1 / sigma - 1) of sigma = linspace(1, 1 / S, S), as FluxPipeline calls it, stretched
+    to end at shift_terminal when given (Qwen-Image). linspace: the static shift of linspace(1, 1 / S, S) (Z-Image)."""
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     if mu is None:
         sch = FlowMatchEulerDiscreteScheduler(shift=shift)
-        sch.set_timesteps(num_steps)
+        sch.set_timesteps(num_steps, sigmas=np.linspace(1.0, 1 / num_steps, num_steps) if linspace else None)
     else:
-        sch = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)
+        sch = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift_terminal=shift_terminal)
         sch.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
     return sch.sigmas.float().clone()
 

@@ -1,4 +1,4 @@
-"""Flow models from folders: diffusers pipelines (SD3 / SD3.5, FLUX.1, Wan2.x, loaded with `from_pretrained`) and
+"""Flow models from folders: diffusers pipelines (SD3 / SD3.5, FLUX.1, Wan2.x, Qwen-Image; `from_pretrained`) and
 mmrl's pixel-space model; `load_flow_model(path)` picks by the folder's model_index.json.
 
 Each loader gives the FlowModel its transformer call: how the architecture takes latents, sigma and text.
@@ -10,6 +10,12 @@ Samplers and policies always see unpacked latents x [N, *latent_shape] and a vel
 - Wan2.x (`WanTransformer3DModel`): video latents x [N, 16, F', H, W] (F' = (frames - 1) / 4 + 1);
   timestep = 1000 sigma; UMT5 tokens, no pooled embedding (an empty [N, 0] tensor stands in). Wan2.2 A14B's
   two experts: `transformer` for sigma >= boundary_ratio, `transformer_2` below, both trained.
+- Qwen-Image (`QwenImageTransformer2DModel`): x [N, 16, H, W] packed 2x2 as FLUX; timestep = sigma; the last
+  hidden states of its Qwen2.5-VL text encoder (chat template, padded to QWEN_IMAGE_TEXT_LEN) with their padding
+  mask in the `pooled` slot; dynamic shift with the scheduler's terminal sigma. Its pipeline renormalizes the
+  guided velocity to the conditional one's norm ("true CFG"); mmrl's CFG is the plain v_u + w (v_c - v_u).
+- Z-Image (`ZImageTransformer2DModel`): lists of one-frame latents and of each prompt's unpadded Qwen3 tokens
+  (padded + masked in mmrl, unpadded for the call); time t = 1 - sigma and output x0 - eps, so v = -output.
 Scheduler shifts come from sampler.shift (static), except FLUX's resolution-dependent shift, taken from the
 pipeline's scheduler config (use_dynamic_shifting) as FluxPipeline applies it.
 """
@@ -26,22 +32,56 @@ from mmrl.models.pixel_t2i import PIPELINE_CLASS
 
 # LoRA targets per architecture (peft matches module-name suffixes)
 WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # self- and cross-attention of every block
-PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline", "WanPipeline")
+# Qwen-Image: the joint-attention projections of every dual-stream block (image and text streams) and the MLPs
+QWEN_IMAGE_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+                           "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj",
+                           "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+Z_IMAGE_LORA_TARGETS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0")
+QWEN_IMAGE_TEXT_LEN = 128  # Qwen-Image / Z-Image prompts are padded to this many tokens (after the template), masked
+PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline", "WanPipeline", "QwenImagePipeline", "ZImagePipeline")
 
 
 def flux_call(guidance: float):
     def call(transformer, x, sigma, enc, pooled):
         n, c, h, w = x.shape
-        packed = x.view(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(n, h * w // 4, c * 4)
+        packed = pack2x2(x)
         rows, cols = torch.meshgrid(torch.arange(h // 2), torch.arange(w // 2), indexing="ij")
         img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).to(x)   # [HW/4, 3]
         txt_ids = torch.zeros(enc.shape[1], 3).to(x)                                            # [L, 3]
         g = torch.full((n,), guidance).to(x) if transformer.config.guidance_embeds else None
         out = transformer(hidden_states=packed, timestep=sigma, guidance=g, pooled_projections=pooled,
                           encoder_hidden_states=enc, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
-        return out.view(n, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, c, h, w)
+        return unpack2x2(out, x.shape)
 
     return call
+
+
+def pack2x2(x: torch.Tensor) -> torch.Tensor:
+    """[N, C, H, W] -> [N, HW/4, 4C]: 2x2 latent patches as tokens (FLUX, Qwen-Image; a permutation)."""
+    n, c, h, w = x.shape
+    return x.view(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(n, h * w // 4, c * 4)
+
+
+def unpack2x2(tokens: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    n, c, h, w = shape
+    return tokens.view(n, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, c, h, w)
+
+
+def qwen_image_call(transformer, x, sigma, enc, mask):
+    """Qwen-Image: x [N, 16, H, W] packed 2x2 like FLUX; timestep = sigma; the text padding mask [N, L] rides in
+    the `pooled` slot (Qwen-Image has no pooled embedding); one image of (1, H/2, W/2) tokens per row for RoPE."""
+    n, _, h, w = x.shape
+    out = transformer(hidden_states=pack2x2(x), timestep=sigma, encoder_hidden_states=enc,
+                      encoder_hidden_states_mask=mask, img_shapes=[[(1, h // 2, w // 2)]] * n, return_dict=False)[0]
+    return unpack2x2(out, x.shape)
+
+
+def z_image_call(transformer, x, sigma, enc, mask):
+    """Z-Image: lists of one-frame latents [16, 1, H, W] and of each prompt's unpadded tokens; its time runs the
+    other way (t = 1 - sigma) and it predicts x0 - eps, so v = -output."""
+    caps = [e[m.bool()] for e, m in zip(enc, mask)]
+    out = transformer(list(x.unsqueeze(2).unbind(0)), 1 - sigma, caps, return_dict=False)[0]
+    return -torch.stack([o.float() for o in out]).squeeze(2)
 
 
 def wan_call(transformer, x, sigma, enc, pooled):
@@ -92,6 +132,11 @@ def load_pipeline_model(cls: str, path: str, dtype: torch.dtype, device: str, sa
                          call=wan_call, lora_targets=WAN_LORA_TARGETS,
                          transformer_2=pipe.transformer_2 if boundary is not None else None, boundary=boundary)
 
+    if cls == "QwenImagePipeline":
+        return _qwen_image_model(pipe, sample_size)
+    if cls == "ZImagePipeline":
+        return _z_image_model(pipe, sample_size)
+
     if cls == "FluxPipeline":
         @torch.no_grad()
         def encode(texts):
@@ -120,6 +165,57 @@ def load_pipeline_model(cls: str, path: str, dtype: torch.dtype, device: str, sa
 
     return FlowModel(tr, encode, decode, (channels, size, size), texts + (vae,), pipeline_class=cls, call=call,
                      lora_targets=SD3_LORA_TARGETS, schedule_mu=mu if cls == "FluxPipeline" else None)
+
+
+def _qwen_image_model(pipe, sample_size: int | None) -> FlowModel:
+    vae, tr = pipe.vae, pipe.transformer
+
+    @torch.no_grad()
+    def encode(texts):  # (enc [B, L, D], mask [B, L]) at L = QWEN_IMAGE_TEXT_LEN: every prompt one shape, cacheable
+        enc, mask = pipe.encode_prompt(list(texts), device=pipe.device, max_sequence_length=QWEN_IMAGE_TEXT_LEN)
+        mask = torch.ones(enc.shape[:2], device=enc.device) if mask is None else mask.to(enc.dtype)
+        pad = QWEN_IMAGE_TEXT_LEN - enc.shape[1]
+        return torch.nn.functional.pad(enc, (0, 0, 0, pad)), torch.nn.functional.pad(mask, (0, pad))
+
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+
+    def decode(latents):  # [N, 16, H, W] -> images [N, 3, 8H, 8W] in [-1, 1] (the VAE's one-frame video axis)
+        z = latents[:, :, None].to(vae.dtype) * std.to(latents) + mean.to(latents)
+        return vae.decode(z.to(vae.dtype), return_dict=False)[0][:, :, 0].float().clamp(-1, 1)
+
+    size = sample_size or pipe.default_sample_size
+    config = dict(pipe.scheduler.config)
+    return FlowModel(tr, encode, decode, (tr.config.out_channels, size, size), (pipe.text_encoder, vae),
+                     pipeline_class="QwenImagePipeline", call=qwen_image_call, lora_targets=QWEN_IMAGE_LORA_TARGETS,
+                     schedule_mu=dynamic_shift_mu((size // 2) ** 2, config), shift_terminal=config.get("shift_terminal"))
+
+
+def _padded(embeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-prompt token embeddings [L_i, D] -> (enc [B, QWEN_IMAGE_TEXT_LEN, D] zero-padded, mask [B, L] 1 = token)."""
+    enc = torch.stack([torch.nn.functional.pad(e, (0, 0, 0, QWEN_IMAGE_TEXT_LEN - len(e))) for e in embeds])
+    mask = torch.stack([(torch.arange(QWEN_IMAGE_TEXT_LEN) < len(e)).to(enc) for e in embeds])
+    return enc, mask
+
+
+def _z_image_model(pipe, sample_size: int | None) -> FlowModel:
+    vae, tr = pipe.vae, pipe.transformer
+
+    @torch.no_grad()
+    def encode(texts):  # (enc [B, L, D], mask [B, L]): the prompt's tokens, padded to one length for the cache
+        embeds, _ = pipe.encode_prompt(list(texts), device=pipe.device, do_classifier_free_guidance=False,
+                                       max_sequence_length=QWEN_IMAGE_TEXT_LEN)
+        return _padded(embeds)
+
+    def decode(latents):  # [N, 16, H, W] -> images [N, 3, f H, f W] in [-1, 1]
+        latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        return vae.decode(latents, return_dict=False)[0].float().clamp(-1, 1)
+
+    size = sample_size or 2 * (1024 // (pipe.vae_scale_factor * 2))
+    config = dict(pipe.scheduler.config)
+    return FlowModel(tr, encode, decode, (tr.config.in_channels, size, size), (pipe.text_encoder, vae),
+                     pipeline_class="ZImagePipeline", call=z_image_call, lora_targets=Z_IMAGE_LORA_TARGETS,
+                     schedule_mu=dynamic_shift_mu((size // 2) ** 2, config), linspace_sigmas=True)
 
 
 def _pixel_model(path: str, dtype: torch.dtype) -> FlowModel:

@@ -1,13 +1,14 @@
 """Tiny random-init diffusers pipelines of the real classes, built from configs and a locally trained BPE
-tokenizer: the stand-ins for SD3.5, FLUX.1 and Wan2.x checkpoints in tests (no hub here). Saved with
+tokenizer: the stand-ins for SD3.5, FLUX.1, Wan2.x, Qwen-Image and Z-Image checkpoints in tests (no hub here). Saved with
 save_pretrained, they load through the same `from_pretrained` code as the real checkpoints."""
 
 from __future__ import annotations
 
 import torch
-from diffusers import (AutoencoderKL, AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, FluxPipeline,
-                       FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline, WanPipeline,
-                       WanTransformer3DModel)
+from diffusers import (AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan, FlowMatchEulerDiscreteScheduler,
+                       FluxPipeline, FluxTransformer2DModel, QwenImagePipeline, QwenImageTransformer2DModel,
+                       SD3Transformer2DModel, StableDiffusion3Pipeline, WanPipeline, WanTransformer3DModel,
+                       ZImagePipeline, ZImageTransformer2DModel)
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
 from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, PreTrainedTokenizerFast, T5Config,
                           T5EncoderModel, UMT5Config, UMT5EncoderModel)
@@ -88,3 +89,44 @@ def build_tiny_wan_pipeline(seed: int = 0, two_experts: bool = False) -> WanPipe
         text_encoder=UMT5EncoderModel(UMT5Config(vocab_size=300, d_model=32, d_kv=8, d_ff=64, num_layers=1,
                                                  num_heads=4)),
         tokenizer=_tokenizer(32))
+
+
+def build_tiny_qwen_image_pipeline(seed: int = 0) -> QwenImagePipeline:
+    """Qwen-Image layout: a Qwen2.5-VL text encoder (its last hidden states, chat template), a
+    QwenImageTransformer2DModel over 2x2-packed 16-channel latents (in_channels 64) with 3-axis RoPE, the Qwen-Image
+    VAE (Wan-style, one frame, x8 spatial) and the dynamic-shift scheduler with its terminal sigma 0.02."""
+    from mmrl.models.qwen_vl import build_model, build_tokenizer
+
+    torch.manual_seed(seed)
+    tok = build_tokenizer(_CORPUS + ["Describe the image by detailing the color shape size texture quantity text"])
+    text_encoder = build_model("qwen2_5_vl", tok, "tiny")  # hidden size 32 = the transformer's joint_attention_dim
+    return QwenImagePipeline(
+        transformer=QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=1,
+                                                attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                                axes_dims_rope=(4, 6, 6)),
+        vae=AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                   temperal_downsample=[False, True, True]),
+        scheduler=FlowMatchEulerDiscreteScheduler(  # Qwen-Image's scheduler config
+            shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+            max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential"),
+        text_encoder=text_encoder, tokenizer=tok)
+
+
+def build_tiny_z_image_pipeline(seed: int = 0) -> ZImagePipeline:
+    """Z-Image layout: a Qwen3 text encoder (its second-to-last hidden states, chat template), a single-stream
+    ZImageTransformer2DModel (text and image refiners, then joint layers; 2x2 patches inside), the FLUX VAE and a
+    static shift 3 scheduler (Z-Image-Turbo's)."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    from mmrl.models.qwen_vl import build_tokenizer
+
+    torch.manual_seed(seed)
+    tok = build_tokenizer(_CORPUS)
+    text_encoder = Qwen3Model(Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                          max_position_embeddings=1024, pad_token_id=tok.pad_token_id))
+    return ZImagePipeline(
+        transformer=ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32,
+                                             n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32,
+                                             axes_dims=[4, 6, 6], axes_lens=[64, 32, 32]),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_vae(), text_encoder=text_encoder, tokenizer=tok)

@@ -55,7 +55,8 @@ class FlowPolicy(PolicyDefaults):
         if reference == "auto" and not self.lora:
             self._ref_copy = {name: copy.deepcopy(tr).requires_grad_(False).eval() for name, tr in self.experts()}
         self.has_reference = reference == "auto"
-        self.sigmas = sigma_schedule(sampler_cfg.num_steps, sampler_cfg.shift, model.schedule_mu)  # [S + 1]
+        self.sigmas = sigma_schedule(sampler_cfg.num_steps, sampler_cfg.shift, model.schedule_mu,  # [S + 1]
+                                     model.shift_terminal, model.linspace_sigmas)
         # mean SDE std over the trainable steps 0 .. S-2 of the schedule (TempFlow-GRPO's weight normalizer)
         sig = self.sigmas[:-2]
         zeros = torch.zeros(len(sig), 1)
@@ -355,7 +356,8 @@ class FlowPolicy(PolicyDefaults):
 
 # the diffusers pipeline whose LoRA loader reads each transformer class's adapters
 LORA_PIPELINES = {"SD3Transformer2DModel": "StableDiffusion3Pipeline", "FluxTransformer2DModel": "FluxPipeline",
-                  "WanTransformer3DModel": "WanPipeline"}
+                  "WanTransformer3DModel": "WanPipeline", "QwenImageTransformer2DModel": "QwenImagePipeline",
+                  "ZImageTransformer2DModel": "ZImagePipeline"}
 
 
 def save_diffusers_lora(transformer: torch.nn.Module, adapter: dict[str, torch.Tensor], lora_config, path: str) -> None:
