@@ -1,5 +1,6 @@
-"""Rollout + training cost per iteration: chain Flow-GRPO vs BranchGRPO, BranchGRPO pruned and BranchGRPO-Mix,
-side by side in one process, on the same small SD3 transformer (the shapes world's SD3Transformer2DModel).
+"""Rollout + training cost per iteration: chain Flow-GRPO vs BranchGRPO, BranchGRPO pruned, BranchGRPO-Mix, a
+MixGRPO window chain and MixGRPO-Flash (the window + DPM-Solver++(2M) over every 3rd sigma outside it), side by side
+in one process, on the same small SD3 transformer (the shapes world's SD3Transformer2DModel).
 
     python benchmarks/bench_rollout.py --threads 2            # 20 steps, splits 0,3,6,9, 16 leaves, 2 prompts
     python benchmarks/bench_rollout.py --quick                # 8 steps, splits 0,1,2,3, 1 prompt, 1 iteration
@@ -24,13 +25,18 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def variants(steps: int, splits: list[int], mix_window: int, width_ratio: float, prune: list[int]) -> dict:
+def variants(steps: int, splits: list[int], mix_window: int, width_ratio: float, prune: list[int],
+             flash_stride: int) -> dict:
     tree = [f"tree.split_steps={splits}", "algo.loss_agg=token_mean"]
+    window = [f"sampler.sde_window_size={mix_window}", f"sampler.sde_window_range=[0,{steps // 2}]"]
     return {
         "chain": [],
         "branch": tree,
         "branch_pruned": tree + ["tree.width_prune=1", f"tree.width_ratio={width_ratio}", f"tree.prune_steps={prune}"],
         "branch_mix": tree + [f"sampler.sde_window_size={mix_window}"],
+        "chain_window": window,  # MixGRPO: SDE (and training) on a window, Euler ODE elsewhere
+        "mixgrpo_flash": window + ["sampler.ode_solver=dpm2m", f"sampler.ode_stride={flash_stride}",
+                                   "sampler.window_schedule=sliding"],
     }
 
 
@@ -69,6 +75,7 @@ def main(argv=None):
     p.add_argument("--minibatches", type=int, default=4, help="training minibatches per iteration (every variant)")
     p.add_argument("--mix-window", type=int, default=4, help="BranchGRPO-Mix SDE window (plus the split steps)")
     p.add_argument("--width-ratio", type=float, default=0.25, help="pruned: share of post-split steps kept")
+    p.add_argument("--flash-stride", type=int, default=3, help="MixGRPO-Flash: ODE over every k-th sigma")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.quick:
@@ -81,7 +88,7 @@ def main(argv=None):
               "log.tensorboard=false", "log.progress=false", "log.image_every=0", f"train.threads={args.threads}"]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, items in variants(steps, splits, args.mix_window, args.width_ratio, prune).items():
+        for name, items in variants(steps, splits, args.mix_window, args.width_ratio, prune, args.flash_stride).items():
             results[name] = run_variant(common + items, iters, warmup, os.path.join(tmp, name))
             print(f"{name:14s} " + " ".join(f"{k}={v}" for k, v in results[name].items()), flush=True)
     chain = results["chain"]
@@ -89,8 +96,16 @@ def main(argv=None):
         r["wall_vs_chain"] = round(r["wall"] / chain["wall"], 3)
         r["rows_vs_chain"] = round((r["sample_rows"] + 3 * r["train_rows"]) /
                                    (chain["sample_rows"] + 3 * chain["train_rows"]), 3)
+    w = results["chain_window"]
+    flash = results["mixgrpo_flash"]
+    flash["vs_chain_window"] = {"sample_rows": round(flash["sample_rows"] / w["sample_rows"], 3),
+                                "rows": round((flash["sample_rows"] + 3 * flash["train_rows"]) /
+                                              (w["sample_rows"] + 3 * w["train_rows"]), 3),
+                                "wall": round(flash["wall"] / w["wall"], 3)}
     print("ratios vs chain (wall; rows with a training row = forward + backward = 3 forwards): " +
           ", ".join(f"{k} {r['wall_vs_chain']} / {r['rows_vs_chain']}" for k, r in results.items()))
+    print("mixgrpo_flash vs chain_window (the same SDE window): " +
+          ", ".join(f"{k} {v}" for k, v in flash["vs_chain_window"].items()))
     print(json.dumps({"steps": steps, "splits": splits, "images_per_prompt": 16, "prompts": prompts,
                       "threads": args.threads, "minibatches": args.minibatches, "results": results}))
 

@@ -70,7 +70,7 @@ def check_choices(cfg: Config) -> Config:
 
 def objective(cfg: Config) -> str:
     """What the policy loss trains on: "transitions" (sampling steps, log-probs) or "forward" (the forward process of
-    the final samples: algo.policy_loss=awm | nft; docs/algorithms.md §11)."""
+    the final samples: algo.policy_loss=awm | nft; docs/algorithms.md §10)."""
     return getattr(POLICY_LOSSES[cfg.algo.policy_loss], "objective", "transitions")
 
 

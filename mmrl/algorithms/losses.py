@@ -57,7 +57,7 @@ def seq_sum_norm(loss, mask, num_samples, num_actions):
 
 # ---------------------------------------------------------------------------------- forward-process losses
 # These train on the forward (noising) process of a rollout's final samples instead of its sampling steps; the
-# flow policy then scores "actions" that are noise levels t of a final sample x0 (docs/algorithms.md §11). Their
+# flow policy then scores "actions" that are noise levels t of a final sample x0 (docs/algorithms.md §10). Their
 # `objective` attribute tells the flow policy which rollout to record; `needs_output` that the loss reads the
 # policy's velocities (PolicyOutput.stats) besides the log-probs.
 

@@ -67,7 +67,7 @@ class FlowPolicy(PolicyDefaults):
         self.micro_batch = micro_batch  # rows per forward without gradients (sampling, decoding); 0 = all
         self.text_cache = BoundedCache(text_cache, 2**30)  # prompt -> (enc [L, D], pooled [P])
         self.offload = offload  # frozen parts (text encoders, VAE, reference copy) wait on CPU between uses
-        self.objective = objective  # transitions: the SDE steps are the actions | forward: noise levels of x0 (§11)
+        self.objective = objective  # transitions: the SDE steps are the actions | forward: noise levels of x0 (§10)
         if offload:
             for m in (*model.text_modules, *(self._ref_copy or {}).values()):
                 m.to("cpu")
@@ -176,7 +176,7 @@ class FlowPolicy(PolicyDefaults):
                        examples=[examples[i // group_size] for i in rows.tolist()], outputs=images, extras=extras)
 
     def _forward_actions(self, x0: torch.Tensor, enc: torch.Tensor, pooled: torch.Tensor, seeds: list[int]):
-        """The actions of forward-process losses (algo.policy_loss=awm | nft; docs/algorithms.md §11): for each final
+        """The actions of forward-process losses (algo.policy_loss=awm | nft; docs/algorithms.md §10): for each final
         sample x0 [n, *D], K = sampler.forward_timesteps noise levels t ~ U(forward_t_range) and noises eps drawn
         from the row's seed, x_t = (1 - t) x0 + t eps, and the sampling weights' velocity there (no gradient).
         Old log-prob of an action: -mean_d (v_old - (eps - x0))^2, the negative flow-matching loss."""
@@ -256,7 +256,7 @@ class FlowPolicy(PolicyDefaults):
         place = lambda base, val: base.index_put((rows, cols), val)   # [k, ...] into [n, A, ...], differentiable
         old = rollout.old_log_prob[index].to(self.device)
         v = self._velocity_fn(e["enc"][rows], e["pooled"][rows])(pick(e["latents"]), pick(e["sigma"])).float()
-        if self.objective == "forward":  # the negative flow-matching loss of each noise level (§11)
+        if self.objective == "forward":  # the negative flow-matching loss of each noise level (§10)
             lp = -(v - pick(e["target"])).pow(2).flatten(1).mean(1)
             return PolicyOutput(place(old, lp), {"velocity": place(e["old_velocity"], v), "sigma": e["sigma"],
                                                  "old_velocity": e["old_velocity"], "target": e["target"]})

@@ -125,7 +125,7 @@ class Trajectory:
 @torch.no_grad()
 def dpm2m_step(x: torch.Tensor, x0: torch.Tensor, x0_prev: torch.Tensor | None, sigma_prev: float | None,
                sigma: float, sigma_next: float) -> torch.Tensor:
-    """One DPM-Solver++(2M) ODE step (Lu et al. 2022, arXiv 2211.01095, data prediction; docs/algorithms.md §12) in the
+    """One DPM-Solver++(2M) ODE step (Lu et al. 2022, arXiv 2211.01095, data prediction; docs/algorithms.md §11) in the
     flow-matching convention alpha = 1 - sigma, lambda = log(alpha / sigma). x0 = x - sigma v is this step's data
     prediction, x0_prev the previous step's (at sigma_prev):
 
