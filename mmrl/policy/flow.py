@@ -172,7 +172,7 @@ class FlowPolicy(PolicyDefaults):
         with self._onload(self.model.text_modules):
             images = in_chunks(self.model.decode, self.micro_batch, traj.latents[:, -1])
         return Rollout(group_id=group_ids(len(texts), group_size)[rows], old_log_prob=old_log_prob,
-                       action_mask=torch.ones_like(old_log_prob, dtype=torch.bool),
+                       action_mask=torch.ones(old_log_prob.shape, dtype=torch.bool),
                        examples=[examples[i // group_size] for i in rows.tolist()], outputs=images, extras=extras)
 
     def _forward_actions(self, x0: torch.Tensor, enc: torch.Tensor, pooled: torch.Tensor, seeds: list[int]):
