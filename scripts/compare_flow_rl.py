@@ -3,6 +3,7 @@ method starts at the same moment (each `mmrl train CONFIG` in its own process, t
 time budget and a held-out evaluation halfway and at the end (`log.eval_every_min`, which counts in the budget).
 
     python scripts/compare_flow_rl.py --minutes 16 --seeds 0 1 2           # grpo, nft, awm, flash; 504 prompts
+    python scripts/compare_flow_rl.py --methods grpo flash_random         # MixGRPO-Flash with a random window
     python scripts/compare_flow_rl.py --quick                              # 1 minute, 1 seed, 2 methods, 24 prompts
 
 Prints a table of held-out strict accuracy (mean over seeds, and per seed) at half and full time, the base's
@@ -17,8 +18,10 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = {"grpo": "configs/t2i/shapes_grpo.yaml", "nft": "configs/t2i/shapes_nft.yaml",
-           "awm": "configs/t2i/shapes_awm.yaml", "flash": "configs/t2i/shapes_mixgrpo_flash.yaml"}
+# method -> (config, overrides)
+METHODS = {"grpo": ("configs/t2i/shapes_grpo.yaml", []), "nft": ("configs/t2i/shapes_nft.yaml", []),
+           "awm": ("configs/t2i/shapes_awm.yaml", []), "flash": ("configs/t2i/shapes_mixgrpo_flash.yaml", []),
+           "flash_random": ("configs/t2i/shapes_mixgrpo_flash.yaml", ["sampler.window_schedule=random"])}
 
 
 def launch(method: str, seed: int, minutes: float, out: str, extra: list[str]) -> subprocess.Popen:
@@ -26,7 +29,8 @@ def launch(method: str, seed: int, minutes: float, out: str, extra: list[str]) -
              "train.iterations=100000", "train.threads=1", "log.eval_at_start=false", "log.progress=false",
              f"log.out_dir={out}", "log.image_every=0", *extra]
     log = open(os.path.join(out + ".log"), "w")
-    return subprocess.Popen([sys.executable, "-m", "mmrl.cli", "train", METHODS[method], *items], cwd=ROOT,
+    config, overrides = METHODS[method]
+    return subprocess.Popen([sys.executable, "-m", "mmrl.cli", "train", config, *overrides, *items], cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -35,7 +39,7 @@ def base_accuracy(eval_prompts: int) -> float:
     from mmrl.compose import build_policy, build_reward, build_task, load_config
     from mmrl.evaluation import evaluate_outputs
 
-    cfg = load_config(os.path.join(ROOT, METHODS["grpo"]), [f"task.eval_prompts={eval_prompts}", "log.progress=false"])
+    cfg = load_config(os.path.join(ROOT, METHODS["grpo"][0]), [f"task.eval_prompts={eval_prompts}", "log.progress=false"])
     reward = build_reward(cfg.reward.name, cfg.reward.kwargs)
     res = evaluate_outputs(build_policy(cfg).evaluate, build_task(cfg.task).eval_examples(),
                            lambda o, e: reward(o, e), seed=10_000)
@@ -44,7 +48,7 @@ def base_accuracy(eval_prompts: int) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=["grpo", "nft", "awm", "flash"], choices=list(METHODS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--minutes", type=float, default=16.0, help="wall-time budget of every run")
     ap.add_argument("--eval-prompts", type=int, default=504)

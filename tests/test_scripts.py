@@ -20,7 +20,7 @@ def run(*args):
                                     "scripts/sft_grounding.py", "benchmarks/bench_vlm_step.py", "benchmarks/bench_prefix.py",
                                     "scripts/export_smollm2.py", "benchmarks/bench_rollout.py", "scripts/bench_motion.py",
                                     "scripts/bench_pairwise.py", "benchmarks/bench_reward_server.py",
-                                    "benchmarks/bench_memory.py", "scripts/gpu_check.py"])
+                                    "benchmarks/bench_memory.py", "scripts/gpu_check.py", "scripts/compare_flow_rl.py"])
 def test_help(script):
     r = run(script, "--help")
     assert r.returncode == 0 and "usage" in r.stdout
@@ -147,3 +147,16 @@ def test_bench_grounding_reports_the_ood_splits_side_by_side(tiny_vl, tmp_path):
     assert res["n_queries"]["crowded"] == 4 and res["n_queries"]["long"] >= 6
     for split in res["results"].values():
         assert set(split) == {"constant_baseline", tiny_vl} and 0 <= split[tiny_vl]["mIoU"] <= 1
+
+
+@pytest.mark.slow
+def test_compare_flow_rl_quick(tmp_path):
+    """Two methods trained side by side for a minute each, evaluated halfway and at the end (about 2 minutes)."""
+    r = run("scripts/compare_flow_rl.py", "--quick", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(res["methods"]) == {"grpo", "nft"} and res["eval_prompts"] == 24
+    for m in res["methods"].values():
+        run_ = m["per_seed"][0]
+        assert run_["iterations"] > 0 and run_["half"] is not None and 0.4 < run_["half_minutes"] / 0.5 < 2
+        assert m["gain_full"] == pytest.approx(m["full"] - res["base"])
