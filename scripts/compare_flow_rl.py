@@ -3,7 +3,7 @@ method starts at the same moment (each `mmrl train CONFIG` in its own process, t
 time budget and a held-out evaluation halfway and at the end (`log.eval_every_min`, which counts in the budget).
 
     python scripts/compare_flow_rl.py --minutes 16 --seeds 0 1 2           # grpo, nft, awm, flash; 504 prompts
-    python scripts/compare_flow_rl.py --methods grpo flash_random         # MixGRPO-Flash with a random window
+    python scripts/compare_flow_rl.py --methods grpo flash_random awm_ema_kl  # random window; AWM + KL to its EMA
     python scripts/compare_flow_rl.py --quick                              # 1 minute, 1 seed, 2 methods, 24 prompts
 
 Prints a table of held-out strict accuracy (mean over seeds, and per seed) at half and full time, the base's
@@ -21,7 +21,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # method -> (config, overrides)
 METHODS = {"grpo": ("configs/t2i/shapes_grpo.yaml", []), "nft": ("configs/t2i/shapes_nft.yaml", []),
            "awm": ("configs/t2i/shapes_awm.yaml", []), "flash": ("configs/t2i/shapes_mixgrpo_flash.yaml", []),
-           "flash_random": ("configs/t2i/shapes_mixgrpo_flash.yaml", ["sampler.window_schedule=random"])}
+           "flash_random": ("configs/t2i/shapes_mixgrpo_flash.yaml", ["sampler.window_schedule=random"]),
+           "awm_ema_kl": ("configs/t2i/shapes_awm.yaml", ["algo.kl_coef=0.1", "algo.kl=flow_velocity",
+                                                           "algo.kl_reference=ema", "train.ema_decay=0.9"])}
 
 
 def launch(method: str, seed: int, minutes: float, out: str, extra: list[str]) -> subprocess.Popen:
