@@ -1,10 +1,14 @@
-"""Flow-matching generator policy (diffusers SD3Transformer2DModel; pixel or VAE-latent space).
+"""Flow-matching generator policy (diffusers SD3 / FLUX / Wan / Qwen-Image / Z-Image transformers, or the embedded
+pixel models; pixel or VAE-latent space).
 
 Actions are denoising steps. `sample` runs G chains per prompt with the configured SDE sampler on a window of
-steps (ODE elsewhere), or one BranchGRPO tree per prompt (tree.split_steps; mmrl/rollout/tree.py), and stores, for each SDE step, x_t, x_{t+1}, sigma_t, sigma_{t+1}, the rollout-time mean and
-std; `log_prob` recomputes the Gaussian log-density of the stored x_{t+1} under the current weights with the
-same CFG scale, the same std and the same reduction, batching all n * A steps in one forward.
+steps (ODE elsewhere, optionally DPM-Solver++(2M) over strided sigmas), or one BranchGRPO tree per prompt
+(tree.split_steps; mmrl/rollout/tree.py), and stores, for each SDE step, x_t, x_{t+1}, sigma_t, sigma_{t+1}, the
+rollout-time mean and std; `log_prob` recomputes the Gaussian log-density of the stored x_{t+1} under the current
+weights with the same CFG scale, the same std and the same reduction, batching all n * A steps in one forward.
 The last (lowest-sigma) step is never trained (its likelihood overflows; docs/algorithms.md §1).
+With a forward-process loss (algo.policy_loss=awm | nft; docs/algorithms.md §10) the actions are instead K noise
+levels of each final sample, and the "log-prob" is the negative flow-matching loss there.
 """
 
 from __future__ import annotations
