@@ -148,6 +148,9 @@ def _flow_model(cfg, arch: dict | None):
         size = cfg.model.sample_size or 128
         return tr, P.flux_call(cfg.model.guidance), (c.in_channels // 4, size, size), text_tokens, \
             c.joint_attention_dim, c.pooled_projection_dim
+    if cls == "QwenImageTransformer2DModel":  # the text mask rides in the pooled slot: [m, text_tokens]
+        size = cfg.model.sample_size or 128
+        return tr, P.qwen_image_call, (c.out_channels, size, size), text_tokens, c.joint_attention_dim, text_tokens
     if cls == "WanTransformer3DModel":
         size, frames = cfg.model.sample_size or 60, cfg.model.num_frames or 81
         ch = c.in_channels - (3 if coords else 0)
@@ -160,7 +163,10 @@ def _flow_model(cfg, arch: dict | None):
 def _text_tokens(path: str, pipeline: str) -> int:
     """Prompt tokens the pipeline feeds the transformer: its defaults (SD3 77 CLIP + 256 T5, FLUX and Wan 512),
     the tokenizer's length for mmrl's pixel model."""
-    defaults = {"StableDiffusion3Pipeline": 77 + 256, "FluxPipeline": 512, "WanPipeline": 512}
+    from mmrl.models.pipelines import QWEN_IMAGE_TEXT_LEN
+
+    defaults = {"StableDiffusion3Pipeline": 77 + 256, "FluxPipeline": 512, "WanPipeline": 512,
+                "QwenImagePipeline": QWEN_IMAGE_TEXT_LEN}
     if pipeline in defaults:
         return defaults[pipeline]
     return json.load(open(os.path.join(path, "tokenizer", "tokenizer_config.json"))).get("model_max_length", 77)
@@ -220,16 +226,27 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512) -> dict:
     if policy_kind(cfg.model.policy) is None:
         raise ValueError(f"mmrl plan knows the built-in policies (flow, token), not model.policy={cfg.model.policy}")
     if policy_kind(cfg.model.policy) == "flow":
-        from mmrl.models.pipelines import SD3_LORA_TARGETS, WAN_LORA_TARGETS
+        from mmrl.compose import objective
+        from mmrl.models.pipelines import QWEN_IMAGE_LORA_TARGETS, SD3_LORA_TARGETS, WAN_LORA_TARGETS
+        from mmrl.sampling.flow_sde import strided_schedule
 
         model, call, latent, text_tokens, enc_dim, pooled_dim = _flow_model(cfg, arch)
-        targets = list(WAN_LORA_TARGETS if "Wan" in type(model).__name__ else SD3_LORA_TARGETS)
+        name = type(model).__name__
+        targets = list(WAN_LORA_TARGETS if "Wan" in name else QWEN_IMAGE_LORA_TARGETS if "QwenImage" in name
+                       else SD3_LORA_TARGETS)
         _prepare(model, cfg, targets)
         cfg_rows = 2 if s.cfg_scale != 1.0 else 1
-        trained_steps = s.sde_window_size or s.num_steps - 1
+        # trained actions per row: SDE steps, or noise levels of the final sample (forward-process losses, which
+        # also pay one velocity forward per action when sampling)
+        forward = objective(cfg) == "forward"
+        trained_steps = s.forward_timesteps if forward else s.sde_window_size or s.num_steps - 1
+        kinds = ["sde" if i < min(s.sde_window_size or s.num_steps, s.num_steps - 1) else "ode"
+                 for i in range(s.num_steps)]  # MixGRPO-Flash's strided ODE, the window at its first start
+        sample_calls = len(strided_schedule(torch.zeros(s.num_steps + 1), kinds, s.ode_stride)[1])
         transitions = t.micro_batch or per_minibatch * trained_steps
         m = transitions * cfg_rows
-        shapes = Shapes(m, n_rows * s.num_steps * cfg_rows, n_rows * trained_steps * cfg_rows * t.inner_epochs)
+        shapes = Shapes(m, n_rows * (sample_calls + (s.forward_timesteps if forward else 0)) * cfg_rows,
+                        n_rows * trained_steps * cfg_rows * t.inner_epochs)
 
         def run():
             x = torch.empty(m, *latent, device="meta", dtype=dtype)

@@ -13,7 +13,9 @@ from mmrl.testing.memory import measure
 PUBLISHED = {"sd35-medium": ("configs/t2i/sd35_geneval_lora.yaml", 2.24e9),
              "flux1-dev": ("configs/t2i/flux_lora.yaml", 11.90e9),
              "wan21-14b": ("configs/t2v/wan_lora.yaml", 14.29e9),
-             "qwen25-vl-7b": ("configs/grounding/charades_qwen25vl_lora.yaml", 8.29e9)}
+             "qwen25-vl-7b": ("configs/grounding/charades_qwen25vl_lora.yaml", 8.29e9),
+             # the model card's "20 B MMDiT"; its diffusers config instantiates 20.62 B
+             "qwen-image": ("configs/t2i/qwen_image_nft_lora.yaml", 20.62e9)}
 
 
 @pytest.mark.parametrize("arch", sorted(PUBLISHED))
@@ -27,6 +29,17 @@ def test_published_architectures_at_real_size(arch):
     assert 0 < lora["trainable_params"] < 0.03 * lora["params"]
     assert lora["activations_per_micro_batch_checkpointed_gib"] < lora["activations_per_micro_batch_gib"]
     assert lora["tflop_per_iter_training"] > 0
+
+
+def test_rows_follow_the_objective_and_the_sampler():
+    """DiffusionNFT trains K noise levels per sample and pays K velocity forwards when sampling; MixGRPO-Flash's
+    strided ODE samples with fewer calls than the chain for the same trained window."""
+    nft = plan(load_config("configs/t2i/qwen_image_nft_lora.yaml", ["train.micro_batch=1"]), "qwen-image")
+    rows = 8 * 16
+    assert nft["rows_trained_per_iter"] == rows * 2 and nft["rows_sampled_per_iter"] == rows * (10 + 2)
+    flash = plan(load_config("configs/t2i/sd35_mixgrpo_flash_lora.yaml", ["train.micro_batch=1"]), "sd35-medium")
+    rows = 48 * 24 * 2  # CFG doubles every row
+    assert flash["rows_trained_per_iter"] == rows * 4 and flash["rows_sampled_per_iter"] == rows * (4 + 7)
 
 
 def test_missing_model_names_the_arch_option(tmp_path):

@@ -2,7 +2,7 @@
 
 Configs as the released checkpoints' config.json files give them (diffusers transformer configs; transformers
 Qwen2.5-VL config). Parameter counts instantiated here: SD3.5-Medium 2.24 B (its MMDiT-X transformer), FLUX.1-dev
-11.9 B, Wan2.1-T2V-14B 14.3 B, Qwen2.5-VL-7B 8.29 B.
+11.9 B, Wan2.1-T2V-14B 14.3 B, Qwen-Image 20.6 B, Qwen2.5-VL-7B 8.29 B.
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ ARCHITECTURES = {
                       patch_size=[1, 2, 2], num_attention_heads=40, attention_head_dim=128, in_channels=16,
                       out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
                       qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)},
+    # Qwen/Qwen-Image, transformer/config.json (the diffusers defaults of QwenImageTransformer2DModel)
+    "qwen-image": {"policy": "flow", "class": "QwenImageTransformer2DModel", "pipeline": "QwenImagePipeline",
+                   "text_tokens": 128, "config": dict(
+                       patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                       num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=[16, 56, 56])},
     # Qwen/Qwen2.5-VL-7B-Instruct, config.json
     "qwen25-vl-7b": {"policy": "token", "class": "Qwen2_5_VLForConditionalGeneration", "config": dict(
         text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
