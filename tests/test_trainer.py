@@ -223,3 +223,16 @@ def test_all_zero_advantages_warn_after_patience(tiny_pixel_model, tmp_path, cap
     assert "NO LEARNING SIGNAL" not in caplog.text
     tr.step(1)
     assert "NO LEARNING SIGNAL: every advantage has been 0 for 2 iterations" in caplog.text
+
+
+def test_timed_evaluations_are_listed_and_survive_resume(tiny_pixel_model, tmp_path):
+    """log.eval_every_min: an evaluation each time that many minutes have passed (not at the end, which always
+    evaluates), listed in results.json with its minute and iteration; a resumed run keeps the list."""
+    items = ["train.iterations=3", "log.eval_every_min=0.0001", "log.save_every=1", "task.eval_prompts=4",
+             "log.eval_at_start=false", "log.progress=false"]
+    res = Trainer(cfg_for(tiny_pixel_model, tmp_path, *items)).fit()
+    timed = res["eval_timed"]
+    assert [e["iteration"] for e in timed] == [1, 2] and all(e["minutes"] > 0 and "strict" in e for e in timed)
+    tr = Trainer(cfg_for(tiny_pixel_model, tmp_path, *items[1:], "train.iterations=4"))
+    assert tr.resume() and tr.timed_evals == timed
+    assert [e["iteration"] for e in tr.fit()["eval_timed"]] == [1, 2]  # iteration 4 is the last: evaluated at the end
