@@ -171,12 +171,12 @@ class Distributed:
         if self.world > 1:
             dist.barrier()
 
-    def autocast(self, mixed_precision: str, device):
+    def autocast(self, mixed_precision: str, policy):
         """train.mixed_precision=bf16: the training forward under bf16 autocast (FSDP2 instead computes in bf16
         through its MixedPrecisionPolicy); log-probs and the loss are computed in fp32 from its outputs."""
         if mixed_precision != "bf16" or (self.parallel == "fsdp" and self.world > 1):
             return contextlib.nullcontext()
-        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+        return torch.autocast(torch.device(policy.device).type, dtype=torch.bfloat16)
 
     def close(self) -> None:
         """End of a run: every rank waits for the others, then the process group is destroyed (a rank that exits

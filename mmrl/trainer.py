@@ -192,7 +192,7 @@ class Trainer:
         a, r = self.cfg.algo, self.cfg.reward
 
         def sample(chunk):  # sampling computes like the training forward (bf16 under mixed precision)
-            with self.timer("rollout"), self.dist.autocast(self.cfg.train.mixed_precision, self.policy.device):
+            with self.timer("rollout"), self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
                 rollout = self.dist.sample(self.policy, chunk, self.cfg.train.group_size, gen)
                 return OFFPOLICY[a.offpolicy](self.policy, rollout, self.task)[0]
 
@@ -270,7 +270,7 @@ class Trainer:
         if a.kl_coef > 0:  # before the forward with gradients: the EMA reference swaps the weights in place
             with torch.no_grad(), self.ema.swapped() if a.kl_reference == "ema" else self.policy.reference():
                 ref = self.policy.log_prob(rollout, idx, **kw)
-        with self.dist.autocast(self.cfg.train.mixed_precision, self.policy.device):
+        with self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
             out = self.policy.log_prob(rollout, idx, **kw)
         deferred = torch.isnan(rollout.old_log_prob[idx])
         if deferred.any():  # fill deferred old log-probs from this first forward (weights unchanged)

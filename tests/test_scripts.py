@@ -90,10 +90,14 @@ def test_bench_rollout_quick():
     r = run("benchmarks/bench_rollout.py", "--quick", "--threads", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])["results"]
-    assert set(res) == {"chain", "branch", "branch_pruned", "branch_mix"}
+    assert set(res) == {"chain", "branch", "branch_pruned", "branch_mix", "chain_window", "mixgrpo_flash"}
     # 8 steps, splits 0-3: 1 + 2 + 4 + 8 + 16 * 4 = 79 rows per tree against 16 * 8 for the chain
     assert res["chain"]["sample_rows"] == 128 and res["branch"]["sample_rows"] == 79
     assert res["branch_pruned"]["train_rows"] < res["branch"]["train_rows"] < res["chain"]["train_rows"]
+    # MixGRPO-Flash: the window chain's trained transitions with fewer sampling rows (8 steps, window 4, stride 3:
+    # the 3 steps after the window in 1 call)
+    flash, window = res["mixgrpo_flash"], res["chain_window"]
+    assert flash["train_rows"] == window["train_rows"] and flash["sample_rows"] < window["sample_rows"] == 128
 
 
 def test_bench_prefix_quick():
