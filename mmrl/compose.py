@@ -17,6 +17,7 @@ import inspect
 
 from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS_AGG, OFFPOLICY, POLICY_LOSSES,
                              RATIO_TRANSFORMS, REWARD_AGGREGATIONS, REWARD_SHAPINGS, WEIGHTINGS)
+from mmrl.algorithms.losses import objective
 from mmrl.config import Config, TaskConfig, policy_kind
 from mmrl.config import load_config as parse_config
 from mmrl.policy import POLICIES
@@ -68,15 +69,9 @@ def check_choices(cfg: Config) -> Config:
     return cfg
 
 
-def objective(cfg: Config) -> str:
-    """What the policy loss trains on: "transitions" (sampling steps, log-probs) or "forward" (the forward process of
-    the final samples: algo.policy_loss=awm | nft; docs/algorithms.md §10)."""
-    return getattr(POLICY_LOSSES[cfg.algo.policy_loss], "objective", "transitions")
-
-
 def _check_objective(cfg: Config) -> None:
     a, s = cfg.algo, cfg.sampler
-    if objective(cfg) != "forward":
+    if objective(a.policy_loss) != "forward":
         _choice("sampler.kind", s.kind, SDE_KINDS)
         return
     _choice("sampler.kind", s.kind, SDE_KINDS + ("ode",))

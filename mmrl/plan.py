@@ -226,7 +226,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512) -> dict:
     if policy_kind(cfg.model.policy) is None:
         raise ValueError(f"mmrl plan knows the built-in policies (flow, token), not model.policy={cfg.model.policy}")
     if policy_kind(cfg.model.policy) == "flow":
-        from mmrl.compose import objective
+        from mmrl.algorithms.losses import objective
         from mmrl.models.pipelines import QWEN_IMAGE_LORA_TARGETS, SD3_LORA_TARGETS, WAN_LORA_TARGETS
         from mmrl.sampling.flow_sde import strided_schedule
 
@@ -238,7 +238,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512) -> dict:
         cfg_rows = 2 if s.cfg_scale != 1.0 else 1
         # trained actions per row: SDE steps, or noise levels of the final sample (forward-process losses, which
         # also pay one velocity forward per action when sampling)
-        forward = objective(cfg) == "forward"
+        forward = objective(cfg.algo.policy_loss) == "forward"
         trained_steps = s.forward_timesteps if forward else s.sde_window_size or s.num_steps - 1
         kinds = ["sde" if i < min(s.sde_window_size or s.num_steps, s.num_steps - 1) else "ode"
                  for i in range(s.num_steps)]  # MixGRPO-Flash's strided ODE, the window at its first start

@@ -62,6 +62,12 @@ def seq_sum_norm(loss, mask, num_samples, num_actions):
 # policy's velocities (PolicyOutput.stats) besides the log-probs.
 
 
+def objective(policy_loss: str) -> str:
+    """What a policy loss trains on: "transitions" (sampling steps, log-probs) or "forward" (the forward process of
+    the final samples: awm, nft)."""
+    return getattr(POLICY_LOSSES[policy_loss], "objective", "transitions")
+
+
 def awm(log_prob, old_log_prob, advantages, cfg):
     """Advantage Weighted Matching (AWM, arXiv 2509.25050): the flow-matching loss of each sample weighted by its
     advantage. The forward-process "log-prob" is -l, l = mean_d (v_theta(x_t, t) - (eps - x0))^2, so the policy

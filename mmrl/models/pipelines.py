@@ -116,13 +116,7 @@ def load_pipeline_model(cls: str, path: str, dtype: torch.dtype, device: str, sa
             enc, _ = pipe.encode_prompt(list(texts), do_classifier_free_guidance=False, device=pipe.device)
             return enc, enc.new_zeros(len(texts), 0)
 
-        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
-
-        def decode(latents):  # [N, 16, F', H, W] -> video [N, 3, F, 8H, 8W] in [-1, 1]
-            z = latents.to(vae.dtype) * std.to(latents) + mean.to(latents)
-            return vae.decode(z, return_dict=False)[0].float().clamp(-1, 1)
-
+        decode = _wan_vae_decoder(vae)  # [N, 16, F', H, W] -> video [N, 3, F, 8H, 8W] in [-1, 1]
         frames = num_frames or 81
         size = sample_size or 60  # 480 px
         shape = (tr.config.in_channels, (frames - 1) // pipe.vae_scale_factor_temporal + 1, size, size)
@@ -159,12 +153,29 @@ def load_pipeline_model(cls: str, path: str, dtype: torch.dtype, device: str, sa
         size = sample_size or pipe.default_sample_size
         texts = tuple(m for m in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3) if m is not None)
 
-    def decode(latents):  # [N, 16, H, W] -> images [N, 3, 8H, 8W] in [-1, 1]
+    return FlowModel(tr, encode, _vae_decoder(vae), (channels, size, size), texts + (vae,), pipeline_class=cls, call=call,
+                     lora_targets=SD3_LORA_TARGETS, schedule_mu=mu if cls == "FluxPipeline" else None)
+
+
+def _vae_decoder(vae):
+    """SD3 / FLUX / Z-Image (AutoencoderKL): latents [N, 16, H, W] -> images [N, 3, fH, fW] in [-1, 1]."""
+    def decode(latents):
         latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         return vae.decode(latents, return_dict=False)[0].float().clamp(-1, 1)
 
-    return FlowModel(tr, encode, decode, (channels, size, size), texts + (vae,), pipeline_class=cls, call=call,
-                     lora_targets=SD3_LORA_TARGETS, schedule_mu=mu if cls == "FluxPipeline" else None)
+    return decode
+
+
+def _wan_vae_decoder(vae):
+    """Wan / Qwen-Image VAEs (per-channel latents_mean / latents_std): [N, 16, F', H, W] -> [N, 3, F, fH, fW]."""
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+
+    def decode(latents):
+        z = latents.to(vae.dtype) * std.to(latents) + mean.to(latents)
+        return vae.decode(z.to(vae.dtype), return_dict=False)[0].float().clamp(-1, 1)
+
+    return decode
 
 
 def _qwen_image_model(pipe, sample_size: int | None) -> FlowModel:
@@ -173,16 +184,12 @@ def _qwen_image_model(pipe, sample_size: int | None) -> FlowModel:
     @torch.no_grad()
     def encode(texts):  # (enc [B, L, D], mask [B, L]) at L = QWEN_IMAGE_TEXT_LEN: every prompt one shape, cacheable
         enc, mask = pipe.encode_prompt(list(texts), device=pipe.device, max_sequence_length=QWEN_IMAGE_TEXT_LEN)
-        mask = torch.ones(enc.shape[:2], device=enc.device) if mask is None else mask.to(enc.dtype)
-        pad = QWEN_IMAGE_TEXT_LEN - enc.shape[1]
-        return torch.nn.functional.pad(enc, (0, 0, 0, pad)), torch.nn.functional.pad(mask, (0, pad))
+        return _padded(list(enc) if mask is None else [e[m.bool()] for e, m in zip(enc, mask)])
 
-    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    video_decode = _wan_vae_decoder(vae)
 
     def decode(latents):  # [N, 16, H, W] -> images [N, 3, 8H, 8W] in [-1, 1] (the VAE's one-frame video axis)
-        z = latents[:, :, None].to(vae.dtype) * std.to(latents) + mean.to(latents)
-        return vae.decode(z.to(vae.dtype), return_dict=False)[0][:, :, 0].float().clamp(-1, 1)
+        return video_decode(latents[:, :, None])[:, :, 0]
 
     size = sample_size or pipe.default_sample_size
     config = dict(pipe.scheduler.config)
@@ -207,13 +214,9 @@ def _z_image_model(pipe, sample_size: int | None) -> FlowModel:
                                        max_sequence_length=QWEN_IMAGE_TEXT_LEN)
         return _padded(embeds)
 
-    def decode(latents):  # [N, 16, H, W] -> images [N, 3, f H, f W] in [-1, 1]
-        latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        return vae.decode(latents, return_dict=False)[0].float().clamp(-1, 1)
-
     size = sample_size or 2 * (1024 // (pipe.vae_scale_factor * 2))
     config = dict(pipe.scheduler.config)
-    return FlowModel(tr, encode, decode, (tr.config.in_channels, size, size), (pipe.text_encoder, vae),
+    return FlowModel(tr, encode, _vae_decoder(vae), (tr.config.in_channels, size, size), (pipe.text_encoder, vae),
                      pipeline_class="ZImagePipeline", call=z_image_call, lora_targets=Z_IMAGE_LORA_TARGETS,
                      schedule_mu=dynamic_shift_mu((size // 2) ** 2, config), linspace_sigmas=True)
 

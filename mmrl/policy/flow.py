@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from mmrl.algorithms.losses import POLICY_LOSSES
+from mmrl.algorithms.losses import objective
 from mmrl.cache import BoundedCache
 from mmrl.data import PolicyOutput, Rollout, group_ids
 from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, save_lora_adapter, upcast_trainable,
@@ -87,7 +87,7 @@ class FlowPolicy(PolicyDefaults):
         if self.cfg.window_schedule == "sliding":  # MixGRPO: one step later every window_shift_every iterations
             start = min(lo + self.iteration // self.cfg.window_shift_every, max(hi - 1, lo))
         else:
-            start = lo + draw if hi > lo else lo
+            start = lo + draw
         return list(range(start, start + size))
 
     @contextlib.contextmanager
@@ -415,9 +415,9 @@ def build_flow_policy(cfg) -> FlowPolicy:
                          f"base model folder")
     options = {"sample_size": cfg.model.sample_size, "num_frames": cfg.model.num_frames, "guidance": cfg.model.guidance}
     model = load_flow_model(path, dtype, device, **options)
-    objective = getattr(POLICY_LOSSES[cfg.algo.policy_loss], "objective", "transitions")
     return FlowPolicy(model, cfg.sampler, cfg.model.lora, reference_kind(cfg), path, cfg.log.progress, cfg.tree,
-                      options, cfg.train.micro_batch, cfg.model.text_cache, cfg.model.offload, objective)
+                      options, cfg.train.micro_batch, cfg.model.text_cache, cfg.model.offload,
+                      objective(cfg.algo.policy_loss))
 
 
 def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:

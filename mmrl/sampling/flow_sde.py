@@ -180,15 +180,16 @@ def run_chain(velocity, x: torch.Tensor, sigmas: torch.Tensor, kinds: list[str],
         sig = sigmas[i].expand(n).to(x.device)
         sig_next = sigmas[i + 1].expand(n).to(x.device)
         v = velocity(x, sig)
-        if kind == "ode" and ode_solver == "dpm2m":
-            s, s_next = float(sigmas[i]), float(sigmas[i + 1])
+        if ode_solver == "dpm2m":  # the data prediction of every step feeds the next ODE step's second order
+            s = float(sigmas[i])
             x0 = x.float() - s * v.float()
-            nxt = dpm2m_step(x.float(), x0, x0_prev, sigma_prev, s, s_next)
+        if kind == "ode" and ode_solver == "dpm2m":
+            nxt = dpm2m_step(x.float(), x0, x0_prev, sigma_prev, s, float(sigmas[i + 1]))
             out = StepOut(nxt, nxt, torch.zeros_like(sig), torch.zeros_like(sig))
         else:
             out = step(kind, x, v, sig, sig_next, noise_level, sigma_max, generator, reduce)
         if ode_solver == "dpm2m":
-            x0_prev, sigma_prev = x.float() - float(sigmas[i]) * v.float(), float(sigmas[i])
+            x0_prev, sigma_prev = x0, s
         x = out.next
         if record:
             xs.append(x)
