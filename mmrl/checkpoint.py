@@ -17,7 +17,7 @@ import tempfile
 import torch
 
 from mmrl.config import to_dict
-from mmrl.distributed import from_local_state, full, local_state, shard_like, unsharded
+from mmrl.distributed import from_local_state, gather_to, local_state, shard_like, unsharded
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,14 @@ def save_trainer(tr) -> str:
     needs a filesystem all ranks share), then all check that their parameters agree."""
     path = os.path.join(tr.cfg.log.out_dir, "checkpoints", f"iter-{tr.iteration:06d}")
     fsdp = tr.dist.world > 1 and tr.cfg.train.parallel == "fsdp"
-    params = [full(p).detach().clone() for p in tr.params]     # a collective under FSDP: every rank
-    ema = [full(e).clone() for e in tr.ema.shadow] if tr.ema is not None else None
-    # the saved policy is the EMA one when enabled; raw weights go to trainer_state
-    with tr.ema_weights(), unsharded(tr.policy.trainable_modules() if fsdp else []), contextlib.ExitStack() as stack:
+    main = tr.dist.main
+    params = gather_to(main, tr.params)     # whole CPU copies on rank 0 only (all-gathers under FSDP: every rank)
+    ema = gather_to(main, tr.ema.shadow) if tr.ema is not None else None
+    # the saved policy is the EMA one when enabled; raw weights go to trainer_state. Under FSDP rank 0 gathers what
+    # save_pretrained writes: the trained tensors (LoRA: the adapters), never a frozen base
+    saved = (lambda p: p.requires_grad) if getattr(tr.policy, "lora", False) else (lambda p: True)
+    with tr.ema_weights(), unsharded(tr.policy.trainable_modules() if fsdp else [], main, saved), \
+            contextlib.ExitStack() as stack:
         tmp = stack.enter_context(atomic_dir(path)) if tr.dist.main else None
         tmp = tr.dist.broadcast_object(tmp)
         if fsdp:  # optimizer state is sharded like the parameters: one file per rank

@@ -2,7 +2,7 @@
     mmrl train CONFIG [--resume] [key=value ...]        train (mmrl/trainer.py)
     mmrl eval CONFIG [CHECKPOINT ...] [key=value ...]   the config's held-out benchmark (mmrl/eval.py)
     mmrl validate CONFIG [key=value ...]                check a config and every name in it, build nothing
-    mmrl plan CONFIG [key=value ...]                    memory and FLOPs at real size (mmrl/plan.py)
+    mmrl plan CONFIG [--world N] [--cp D] [key=value ...]  memory and FLOPs per GPU at real size (mmrl/plan.py)
     mmrl export CHECKPOINT OUT                          a merged model folder (mmrl/export.py)
     mmrl serve-reward NAME [--kwargs JSON] [--port P]   a reward over HTTP (mmrl/reward_server.py)"""
 
@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.micro_batch=4")
     pl.add_argument("--arch", help="a published architecture instead of model.path's config (mmrl/models/architectures.py)")
     pl.add_argument("--prompt-tokens", type=int, default=512, help="token policies: prompt length with media tokens")
+    pl.add_argument("--world", type=int, default=1, help="data-parallel processes (each samples whole groups)")
+    pl.add_argument("--cp", type=int, default=1, help="context-parallel ranks per process (video tokens split)")
     args, extra = p.parse_known_args(argv)  # `--resume` may come before or after the overrides
     if extra and (args.cmd not in ("train", "plan", "validate") or any(x.startswith("-") or "=" not in x for x in extra)):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         from mmrl.compose import load_config
         from mmrl.plan import format_plan, plan
 
-        res = plan(load_config(args.config, args.overrides), args.arch, args.prompt_tokens)
+        res = plan(load_config(args.config, args.overrides), args.arch, args.prompt_tokens, args.world, args.cp)
         print(format_plan(res))
         print(json.dumps(res))
         return 0

@@ -187,6 +187,15 @@ class TrainConfig:
     micro_batch: int = 0          # rows per model forward, bounding peak memory: in training (flow: transitions,
                                   # token: sequences; gradients accumulate to the whole minibatch's), sampling,
                                   # VAE decoding and old log-probs. 0 = a whole minibatch / rollout at once
+    sample_chunk: int = -1        # rows per forward without gradients (sampling, VAE decoding, old log-probs,
+                                  # reward scoring, evaluation); -1 = train.micro_batch, 0 = all at once
+    ratio_warn: float = 0.05      # warn when the first pass's mean |ratio - 1| (rollout vs trainer log-probs under the
+                                  # same weights, logged as train/first_ratio_dev) exceeds this; 0 = never
+
+
+def sample_chunk(t: TrainConfig) -> int:
+    """Rows per forward without gradients: train.sample_chunk, or train.micro_batch when it is -1."""
+    return t.micro_batch if t.sample_chunk < 0 else t.sample_chunk
 
 
 @dataclass
@@ -263,12 +272,11 @@ class Config:
                              f"model.lora (the adapter is fp32, the frozen base stays {self.model.dtype})")
         if t.micro_batch < 0:
             raise ValueError(f"train.micro_batch must be >= 0 (0 = no split), got {t.micro_batch}")
+        if t.sample_chunk < -1:
+            raise ValueError(f"train.sample_chunk must be >= 0, or -1 for train.micro_batch; got {t.sample_chunk}")
         if t.micro_batch and self.algo.ratio == "gspo" and policy_kind(self.model.policy) == "flow":
             raise ValueError("algo.ratio=gspo averages a sample's actions, which train.micro_batch splits for flow "
                              "policies: set train.micro_batch=0 or algo.ratio=none")
-        if t.micro_batch and t.parallel == "fsdp" and policy_kind(self.model.policy) != "flow":
-            raise ValueError("train.micro_batch with train.parallel=fsdp would give ranks different numbers of "
-                             "generation forwards for token policies: set train.micro_batch=0")
         if not 0 <= t.ema_decay < 1:
             raise ValueError(f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
         if self.algo.clip_range <= 0:

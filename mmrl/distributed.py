@@ -1,21 +1,27 @@
 """Several processes, one training loop: data-parallel rollouts and DDP or FSDP2 training.
 
-Launch any config on several processes (the README has the recipes):
+Launch any config on several processes (docs/scale-out.md has the recipes, multi-node included):
 
-    accelerate launch --multi_gpu --num_processes 8 -m mmrl.cli train CONFIG train.parallel=ddp
-    torchrun --nproc_per_node 8 -m mmrl.cli train CONFIG train.parallel=fsdp
+    torchrun --nproc_per_node 8 -m mmrl.cli train CONFIG train.parallel=ddp      # or fsdp
+    accelerate launch --multi_gpu --num_processes 8 -m mmrl.cli train CONFIG train.parallel=fsdp
 
-How the work is split. Every rank draws the same prompts (same seeds). The N = B * G rows of an iteration
-are cut into `world` contiguous ranges; rank r samples rows [N r / world, N (r + 1) / world), so a group may
-span ranks. A row's noise is seeded by its global index, so the rows are the ones a single process would
-sample. Rewards are scored where the rows are, then all-gathered: advantages use whole groups on every rank.
+How the work is split: by whole groups. Every rank draws the same prompts (same seeds). The B groups of an
+iteration are cut into `world` contiguous ranges; rank r samples groups [B r / world, B (r + 1) / world) whole, so
+whatever needs a group (advantages' statistics, pairwise tournaments, trees, contrast rollouts) finds it on one
+rank. A row's noise is seeded by its global index, so the rows are the ones a single process samples. Rewards
+are scored where the rows are, then all-gathered with their global group ids and put in the single-process
+order: advantages and decisions (dynamic sampling) are computed from the same numbers on every rank.
 Minibatches are the single-process minibatches (one global permutation), each rank training its rows of them;
-losses are normalized by the global counts, and gradients are averaged across ranks by DDP (bucketed
-all-reduce during backward) or FSDP2 (`fully_shard`: parameters, gradients and optimizer state sharded).
+losses are normalized by the global counts, and gradients are averaged across ranks by DDP or FSDP2
+(`fully_shard`). Every rank runs the same number of forwards and backwards (the most any rank needs, padded with
+zero-weight passes), and gradients are synchronized only at the last backward of an optimizer step (`no_sync` /
+`set_requires_gradient_sync(False)`).
 
-Process groups come from accelerate's `PartialState` (NCCL on GPUs, gloo on CPU with ACCELERATE_USE_CPU=true
-or `accelerate launch --cpu` semantics). `check_in_sync` compares a parameter checksum across ranks and raises
-when ranks drifted apart (a launcher that started processes without a process group trains them separately).
+Collectives. Tensors of the trained networks travel on the device group (`self.group`: NCCL on GPUs, gloo on CPU)
+on the process's device. Bookkeeping (rewards, group ids, statistics, decisions, checksums) travels on an
+explicit CPU gloo group (`self.cpu_group`): it is small, and NCCL has no CPU backend. No mmrl code calls a
+collective on the default group with a CPU tensor (tests/test_distributed.py runs the trainer under a default
+group without a CPU backend, as NCCL is).
 """
 
 from __future__ import annotations
@@ -34,13 +40,40 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def check_parallel_config(cfg, world: int) -> None:
+    """Refuse, before any weight loads, what `world` processes cannot run, naming the key and the fix (also run
+    by `mmrl validate CONFIG --nproc N`)."""
+    if world <= 1:
+        return
+    from mmrl.compose import policy_kind
+
+    t, kind = cfg.train, policy_kind(cfg.model.policy)
+    if t.parallel == "none":
+        raise ValueError(f"train.parallel=none on {world} processes: every process would train alone. Set "
+                         f"train.parallel=ddp (replicated weights) or fsdp (sharded weights)")
+    if t.prompts_per_iter < world:
+        raise ValueError(f"train.prompts_per_iter={t.prompts_per_iter} groups for {world} processes: ranks shard whole "
+                         f"groups, so every rank needs one. Set train.prompts_per_iter >= {world}")
+    if kind != "flow" and cfg.sampler.engine == "vllm":
+        raise ValueError("sampler.engine=vllm on several processes: vLLM's engine is built inside each trainer "
+                         "process and mmrl does not yet start it with distributed_executor_backend="
+                         "'external_launcher'. Use sampler.engine=prefix_cache (or hf) with several processes, or one "
+                         "process with vLLM")
+    if kind != "flow" and t.parallel == "fsdp" and cfg.sampler.engine != "prefix_cache":
+        raise ValueError("train.parallel=fsdp for token policies needs sampler.engine=prefix_cache (its decoding "
+                         "runs in lockstep across ranks, which FSDP's all-gathers need)")
+
+
 class Distributed:
-    """rank / world / device of this process, and the collectives the trainer needs. world == 1: no-ops."""
+    """rank / world / device of this process, its groups, and the collectives the trainer needs. world == 1:
+    every method is a no-op (or the identity)."""
 
     def __init__(self, parallel: str = "none"):
         self.parallel = parallel
         self.rank, self.world = 0, 1
         self.device = torch.device("cpu")
+        self.group = self.cpu_group = None
+        self.wrapped: list[torch.nn.Module] = []  # the DDP / FSDP2 modules (gradient sync is switched on them)
         if parallel != "none" and launched():
             from accelerate import PartialState
 
@@ -49,7 +82,11 @@ class Distributed:
             if not dist.is_initialized() or dist.get_world_size() != int(os.environ["WORLD_SIZE"]):
                 raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but no process group of that size: launch "
                                    f"with torchrun or `accelerate launch --multi_gpu` (on CPU set ACCELERATE_USE_CPU=true)")
-            self.rank, self.world, self.device = state.process_index, state.num_processes, state.device
+            self.rank, self.world, self.device = dist.get_rank(), dist.get_world_size(), state.device
+            self.cpu_group = dist.new_group(backend="gloo")  # bookkeeping and object traffic
+            # the trained networks' collectives: the default group when it serves this device (NCCL on GPUs, gloo
+            # on CPU); else (a default group without a CPU backend while training on CPU, as in the tests) gloo
+            self.group = None if _serves(self.device) else self.cpu_group
         elif launched():
             raise RuntimeError(f"started as one of WORLD_SIZE={os.environ['WORLD_SIZE']} processes with "
                                f"train.parallel=none: every process would train alone. Set train.parallel=ddp or fsdp")
@@ -60,103 +97,169 @@ class Distributed:
     def main(self) -> bool:
         return self.rank == 0
 
-    def rows(self, n: int) -> torch.Tensor:
-        """This rank's contiguous share of n rows."""
-        return torch.arange(n * self.rank // self.world, n * (self.rank + 1) // self.world)
+    def share(self, n: int) -> range:
+        """This rank's contiguous share of n items (groups, evaluation examples)."""
+        return range(n * self.rank // self.world, n * (self.rank + 1) // self.world)
 
-    def check_config(self, cfg) -> None:
-        """Refuse what several processes do not support yet, naming the fix."""
-        from mmrl.algorithms import REWARD_SHAPINGS
-
-        contrast = getattr(REWARD_SHAPINGS[cfg.algo.reward_shaping], "needs_contrast", False)
-        if cfg.algo.dynamic_sampling or cfg.reward.workers or cfg.tree.split_steps or cfg.train.micro_batch or contrast:
-            # micro-batches: ranks would run different numbers of backward passes (DDP / FSDP collectives hang)
-            raise ValueError("several processes do not support algo.dynamic_sampling, reward.workers, tree "
-                             "rollouts, train.micro_batch or contrast shapings (tgrpo) yet: turn them off, or run "
-                             "in one process")
-        n = cfg.train.prompts_per_iter * cfg.train.group_size
-        if n < self.world:
-            raise ValueError(f"prompts_per_iter * group_size = {n} rows for {self.world} processes")
-
-    def sample(self, policy, examples: list[dict], group_size: int, gen: torch.Generator):
-        """One group per example; with several processes, this rank's share: its contiguous range of the B * G
-        rows (policies that sample by row) or of the B groups (global group ids either way)."""
+    # ------------------------------------------------------------------------------------------ sampling
+    def sample(self, policy, examples: list[dict], group_size: int, gen: torch.Generator, first_group: int = 0):
+        """One group per example; with several processes, this rank's whole groups (a contiguous share of the
+        examples). Group ids are global: example i of this call is group `first_group + i`. Policies that sample by
+        row draw every row's noise from its global row index (`rows`), so a row is the same on any rank. Under FSDP
+        every forward is a collective, so a rank with fewer groups samples copies of one of its groups (dropped
+        afterwards) until every rank samples as many: the same number of forwards everywhere."""
+        share = list(self.share(len(examples)))
         if self.world == 1:
-            return policy.sample(examples, group_size, gen)
+            ro = policy.sample(examples, group_size, gen)
+            ro.group_id = ro.group_id + first_group
+            return ro
+        pad = -(-len(examples) // self.world) - len(share) if self.parallel == "fsdp" else 0
+        pad = max(pad, 0 if share else 1)  # a rank without a group of this call still samples one (dropped)
+        groups = share + [share[-1] if share else 0] * pad
         if policy.samples_rows:
-            return policy.sample(examples, group_size, gen, rows=self.rows(len(examples) * group_size))
-        share = self.rows(len(examples))
-        ro = policy.sample([examples[i] for i in share.tolist()], group_size, gen)
-        ro.group_id = ro.group_id + int(share[0]) if len(share) else ro.group_id
+            rows = torch.tensor([g * group_size + j for g in groups for j in range(group_size)], dtype=torch.long)
+            ro = policy.sample(examples, group_size, gen, rows=rows)
+        else:
+            ro = policy.sample([examples[i] for i in groups], group_size, gen)
+            ro.group_id = torch.tensor(groups, dtype=torch.long)[ro.group_id]
+        if pad:
+            ro = ro.select(torch.arange(len(share) * group_size))
+        ro.group_id = ro.group_id + first_group
         return ro
 
+    # ----------------------------------------------------------------------------- bookkeeping (CPU group)
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate [n_r, ...] tensors of every rank in rank order (n_r may differ)."""
-        return x if self.world == 1 else torch.cat(self.gather_list([x.cpu()])).to(x.device)
+        """Concatenate [n_r, ...] tensors of every rank in rank order (n_r may differ); the result is on x's
+        device. Travels on the CPU group."""
+        if self.world == 1:
+            return x
+        return torch.cat([p.to(x.device) for p in self.gather_list([x.detach().cpu()])]) if len(x.shape) else x
 
     def gather_list(self, items: list) -> list:
         """Concatenate every rank's list (picklable items) in rank order."""
         if self.world == 1:
             return items
         parts = [None] * self.world
-        dist.all_gather_object(parts, items)
+        dist.all_gather_object(parts, items, group=self.cpu_group)
         return [x for part in parts for x in part]
-
-    def gather_rows(self, rollout, rewards: dict, valid: torch.Tensor):
-        """Every rank's rows (rank order), as the advantages and the reward metrics read them: a Rollout of
-        group ids, off-policy flags and categories (no actions), the rewards [N] and the valid mask [N]; and this
-        rank's global rows [n] and every row's trained-action count [N] (the loss normalization)."""
-        from mmrl.data import Rollout
-
-        off = sum(self.gather(torch.tensor([len(rollout)])).tolist()[:self.rank])
-        local_rows = torch.arange(off, off + len(rollout))
-        row_actions = self.gather((rollout.action_mask & valid.unsqueeze(-1)).sum(-1))   # [N]
-        n = row_actions.shape[0]
-        everyone = Rollout(group_id=self.gather(rollout.group_id), old_log_prob=torch.zeros(n, 0),
-                           action_mask=torch.zeros(n, 0, dtype=torch.bool),
-                           examples=[{"category": c} for c in self.gather_list([e.get("category") for e in rollout.examples])],
-                           outputs=None, is_offpolicy=self.gather(rollout.is_offpolicy))
-        return everyone, {k: self.gather(v) for k, v in rewards.items()}, self.gather(valid), local_rows, row_actions
-
-    def wrap(self, module: torch.nn.Module, mixed_precision: str = "no") -> torch.nn.Module:
-        """DDP: the module wrapped (attributes still reach it); FSDP2: the module sharded in place."""
-        if self.world == 1 or self.parallel == "none":
-            return module
-        if self.parallel == "ddp":
-            return _DDP(module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                        forward_sync_buffers=False)
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if mixed_precision == "bf16" else MixedPrecisionPolicy()
-        for blk in _blocks(module):  # each transformer block its own unit: params all-gathered one block at a time
-            fully_shard(blk, mp_policy=mp)
-        fully_shard(module, mp_policy=mp)
-        return module
-
-    def check_in_sync(self, params: list[torch.Tensor], what: str = "parameters") -> None:
-        """Raise if this rank's parameters differ from rank 0's (checksum and a weighted checksum)."""
-        if self.world == 1:
-            return
-        with torch.no_grad():
-            flat = [full(p).double().flatten() for p in params]
-            v = torch.stack([sum(f.sum() for f in flat), sum((f * torch.arange(1, f.numel() + 1, dtype=f.dtype)
-                                                              .remainder(97)).sum() for f in flat)])
-        ref = v.clone()
-        dist.broadcast(ref, 0)
-        bad = torch.tensor([float(not torch.allclose(v, ref, rtol=1e-9, atol=1e-9))])
-        dist.all_reduce(bad)
-        if bad.item():
-            raise RuntimeError(f"ranks are out of sync: {what} differ from rank 0's on {int(bad.item())} rank(s). "
-                               f"Gradients are not being averaged: check train.parallel and the launcher")
 
     def broadcast_object(self, obj):
         """Rank 0's `obj` on every rank."""
         if self.world == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
+
+    def max_int(self, n: int) -> int:
+        """The largest of every rank's n (e.g. how many forwards every rank must run)."""
+        if self.world == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return int(t.item())
+
+    def all_true(self, flag: bool) -> bool:
+        """True when `flag` is true on every rank (e.g. every rank is done decoding)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return bool(t.item())
+
+    def gather_rows(self, rollout, rewards: dict, valid: torch.Tensor):
+        """Every rank's rows in the single-process order (by global group id; a group's rows stay in order), as
+        the advantages and the reward metrics read them: a Rollout of group ids, off-policy flags and categories (no
+        actions), the rewards [N] and the valid mask [N]; and this rank's positions in that order [n] and every
+        row's trained-action count [N] (the loss normalization)."""
+        from mmrl.data import Rollout
+
+        gid = self.gather(rollout.group_id)
+        order = torch.sort(gid, stable=True).indices                          # rank order -> single-process order
+        where = torch.empty_like(order)
+        where[order] = torch.arange(len(order))
+        off = sum(self.gather_list([len(rollout)])[:self.rank])
+        local_rows = where[off:off + len(rollout)]
+        row_actions = self.gather((rollout.action_mask & valid.unsqueeze(-1)).sum(-1))[order]   # [N]
+        cats = self.gather_list([e.get("category") for e in rollout.examples])
+        n = len(order)
+        everyone = Rollout(group_id=gid[order], old_log_prob=torch.zeros(n, 0),
+                           action_mask=torch.zeros(n, 0, dtype=torch.bool),
+                           examples=[{"category": cats[i]} for i in order.tolist()],
+                           outputs=None, is_offpolicy=self.gather(rollout.is_offpolicy)[order])
+        return everyone, {k: self.gather(v)[order] for k, v in rewards.items()}, self.gather(valid)[order], \
+            local_rows, row_actions
+
+    def mean_stats(self, stats: dict[str, list[float]]) -> dict[str, float]:
+        """Every rank's per-pass statistics averaged over all ranks' passes (one set of numbers per run)."""
+        local = {k: (sum(v), len(v)) for k, v in stats.items()}
+        merged: dict[str, list] = {}
+        for part in self.gather_list([local]):
+            for k, (s, c) in part.items():
+                m = merged.setdefault(k, [0.0, 0])
+                m[0], m[1] = m[0] + s, m[1] + c
+        return {k: s / c for k, (s, c) in sorted(merged.items()) if c}
+
+    def check_in_sync(self, params: list[torch.Tensor], what: str = "parameters") -> None:
+        """Raise if this rank's replicated parameters differ from rank 0's. A checksum and a position-weighted
+        checksum are accumulated in fp64 one parameter at a time (the model is never materialized). FSDP2 shards
+        have no replica to compare; their local checksums are gathered, which also fails loudly when a rank holds
+        a different number of shards."""
+        if self.world == 1:
+            return
+        with torch.no_grad():
+            v = torch.zeros(2, dtype=torch.float64)
+            for p in params:
+                local = p.to_local() if hasattr(p, "to_local") else p
+                f = local.detach().flatten()
+                w = torch.arange(1, f.numel() + 1, device=f.device).remainder_(97)
+                v += torch.stack([f.double().sum(), (f.double() * w).sum()]).cpu()
+            sharded = any(hasattr(p, "to_local") for p in params)
+        sums = self.gather(v[None])                                          # [world, 2]
+        if sharded:
+            return
+        bad = [r for r in range(self.world) if not torch.allclose(sums[r], sums[0], rtol=1e-9, atol=1e-9)]
+        if bad:
+            raise RuntimeError(f"ranks are out of sync: {what} differ from rank 0's on rank(s) {bad}. Gradients are "
+                               f"not being averaged: check train.parallel and the launcher")
+
+    # -------------------------------------------------------------------------- the trained networks
+    def wrap(self, module: torch.nn.Module, mixed_precision: str = "no") -> torch.nn.Module:
+        """DDP: the module wrapped (attributes still reach it); FSDP2: the module sharded in place."""
+        if self.world == 1 or self.parallel == "none":
+            return module
+        if self.parallel == "ddp":
+            wrapped = _DDP(module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                           forward_sync_buffers=False, process_group=self.group)
+            self.wrapped.append(wrapped)
+            return wrapped
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, self.device.type)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if mixed_precision == "bf16" else MixedPrecisionPolicy()
+        for blk in _blocks(module):  # each transformer block its own unit: params all-gathered one block at a time
+            fully_shard(blk, mesh=mesh, mp_policy=mp)
+        fully_shard(module, mesh=mesh, mp_policy=mp)
+        self.wrapped.append(module)
+        return module
+
+    @contextlib.contextmanager
+    def no_sync(self, skip: bool = True):
+        """Gradients accumulate locally inside the block (no all-reduce / reduce-scatter) when `skip`: every
+        backward of an optimizer step but its last runs here."""
+        if not skip or self.world == 1 or not self.wrapped:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            for m in self.wrapped:
+                if hasattr(m, "set_requires_gradient_sync"):  # FSDP2
+                    m.set_requires_gradient_sync(False)
+                    stack.callback(m.set_requires_gradient_sync, True)
+                else:
+                    stack.enter_context(m.no_sync())
+            yield
 
     @contextlib.contextmanager
     def main_first(self):
@@ -169,7 +272,7 @@ class Distributed:
 
     def barrier(self) -> None:
         if self.world > 1:
-            dist.barrier()
+            dist.barrier(group=self.cpu_group)
 
     def autocast(self, mixed_precision: str, policy):
         """train.mixed_precision=bf16: the training forward under bf16 autocast (FSDP2 instead computes in bf16
@@ -182,27 +285,56 @@ class Distributed:
         """End of a run: every rank waits for the others, then the process group is destroyed (a rank that exits
         while another still talks to it can abort the whole job at teardown)."""
         if self.world > 1 and dist.is_initialized():
-            dist.barrier()
+            dist.barrier(group=self.cpu_group)
             dist.destroy_process_group()
 
 
+def _serves(device: torch.device) -> bool:
+    """Whether the default process group has a backend for `device`'s tensors."""
+    try:
+        dist.group.WORLD._get_backend(device)
+        return True
+    except RuntimeError:  # "No backend type associated with device type cpu"
+        return False
+
+
 @contextlib.contextmanager
-def unsharded(modules: list[torch.nn.Module]):
-    """Within the block, the FSDP2-sharded parameters of `modules` are replaced by plain full tensors (all ranks
-    must enter: each is all-gathered, in the same order everywhere), so save_pretrained writes whole tensors;
-    the sharded parameters are put back afterwards."""
+def unsharded(modules: list[torch.nn.Module], keep: bool = True, which=lambda p: True):
+    """Within the block, the FSDP2-sharded parameters p of `modules` with which(p) are replaced by whole tensors
+    on the CPU where `keep` (the rank that saves); every rank must enter (each parameter is all-gathered in turn,
+    in the same order everywhere, so a rank holds one whole parameter at a time besides what it keeps). The
+    sharded parameters are put back afterwards."""
     sharded = [(sub, name, p) for mod in modules for sub in mod.modules()
-               for name, p in list(sub._parameters.items()) if p is not None and hasattr(p, "full_tensor")]
+               for name, p in list(sub._parameters.items()) if p is not None and hasattr(p, "full_tensor") and which(p)]
+    whole = []
     with torch.no_grad():
-        whole = [torch.nn.Parameter(p.full_tensor().detach().clone(), requires_grad=p.requires_grad)
-                 for _, _, p in sharded]
-    for (sub, name, _), w in zip(sharded, whole):
-        sub._parameters[name] = w
+        for _, _, p in sharded:
+            t = p.full_tensor()
+            if keep:
+                whole.append(torch.nn.Parameter(t.detach().cpu().clone(), requires_grad=p.requires_grad))
+            del t
+    if keep:
+        for (sub, name, _), w in zip(sharded, whole):
+            sub._parameters[name] = w
     try:
         yield
     finally:
-        for sub, name, p in sharded:
-            sub._parameters[name] = p
+        if keep:
+            for sub, name, p in sharded:
+                sub._parameters[name] = p
+
+
+def gather_to(keep: bool, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The whole tensors (CPU copies) of possibly FSDP2-sharded `tensors` where `keep`, else None; every rank
+    must call it (one all-gather per sharded tensor, one at a time)."""
+    out = []
+    with torch.no_grad():
+        for t in tensors:
+            f = full(t).detach()
+            if keep:
+                out.append(f.cpu().clone())
+            del f
+    return out if keep else None
 
 
 _BLOCK_LISTS = ("layers", "blocks", "transformer_blocks", "single_transformer_blocks")

@@ -19,6 +19,7 @@ import os
 import time
 
 from mmrl import compose
+from mmrl.config import sample_chunk
 from mmrl.evaluation import evaluate_outputs
 from mmrl.reward import RewardRunner
 
@@ -40,7 +41,7 @@ def evaluate_checkpoints(cfg, checkpoints: list[str], seed: int = 0, base: bool 
     task = compose.build_task(cfg.task)
     name = cfg.reward.eval_name or cfg.reward.name
     kwargs = cfg.reward.eval_kwargs if cfg.reward.eval_name else cfg.reward.kwargs
-    runner = RewardRunner(compose.build_reward(name, kwargs, "reward.eval"), "skip", cfg.train.micro_batch)
+    runner = RewardRunner(compose.build_reward(name, kwargs, "reward.eval"), "skip", sample_chunk(cfg.train))
     examples = task.eval_examples()
     results: dict[str, dict] = {}
 

@@ -12,23 +12,37 @@ from tqdm import tqdm
 
 @torch.no_grad()
 def evaluate_outputs(generate: Callable[[list[dict], int], object], examples: list[dict], reward: Callable,
-                     seed: int = 0, batch_size: int = 64, progress: bool = True) -> dict:
+                     seed: int = 0, batch_size: int = 64, progress: bool = True, dist=None) -> dict:
     """generate(examples_chunk, first_seed) -> outputs; example i uses seed `seed + i` (batch-size invariant).
+    batch_size examples are generated and scored per call (the policy's own micro-batching applies within).
+
+    dist (mmrl.distributed.Distributed): with several processes each rank evaluates a contiguous share of the
+    examples and the scores are gathered, so every rank returns the single-process figures. Shares are padded
+    to one length (the padding is scored and dropped), so every rank runs the same forwards (FSDP all-gathers).
 
     Returns {key: mean, ..., "n": int, "per_category": {cat: {key: mean, ..., "n": int}}} for every key the
     reward returns ("overall", "strict", ...); categories come from example["category"] when present.
     """
+    world = dist.world if dist is not None else 1
+    share = dist.share(len(examples)) if world > 1 else range(len(examples))
+    width = -(-len(examples) // world)
+    mine = list(share) + [share.stop - 1 if len(share) else 0] * (width - len(share))   # example indices
+    scores = []  # (example index, {key: value}) of this rank's real examples
+    for i in tqdm(range(0, len(mine), batch_size), desc="eval", disable=not progress):
+        idx = mine[i:i + batch_size]
+        chunk = [examples[j] for j in idx]
+        r = reward(generate(chunk, seed + idx[0]), chunk)
+        scores += [(j, {k: float(v[c]) for k, v in r.items()}) for c, j in enumerate(idx) if i + c < len(share)]
+    if world > 1:
+        scores = dist.gather_list(scores)
     sums: dict = defaultdict(lambda: defaultdict(float))
-    for i in tqdm(range(0, len(examples), batch_size), desc="eval", disable=not progress):
-        chunk = examples[i:i + batch_size]
-        r = reward(generate(chunk, seed + i), chunk)
-        for j, ex in enumerate(chunk):
-            for cat in ("all", ex.get("category")):
-                if cat is None:
-                    continue
-                sums[cat]["n"] += 1
-                for k, v in r.items():
-                    sums[cat][k] += float(v[j])
+    for j, r in sorted(scores, key=lambda x: x[0]):
+        for cat in ("all", examples[j].get("category")):
+            if cat is None:
+                continue
+            sums[cat]["n"] += 1
+            for k, v in r.items():
+                sums[cat][k] += v
 
     def means(d):
         return {k: (round(v / d["n"], 4) if k != "n" else int(v)) for k, v in d.items()}

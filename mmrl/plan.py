@@ -1,8 +1,10 @@
-"""`mmrl plan CONFIG [--arch NAME] [key=value ...]`: what a run costs before any weight is loaded.
+"""`mmrl plan CONFIG [--arch NAME] [--world N] [--cp D] [key=value ...]`: what a run costs per GPU before any weight
+is loaded.
 
 The trained model (a flow transformer, or a token policy's language model) is instantiated on the meta device at
-real size (from `model.path`'s config files, or from a published architecture: mmrl/models/architectures.py), with
-the run's dtype and LoRA, and one training micro-batch is run through it on meta tensors:
+real size (from `model.path`'s config files, or from a published architecture: mmrl/models/architectures.py and
+PLAN_ARCHITECTURES below), with the run's dtype and LoRA, and one training micro-batch is run through it on meta
+tensors:
   - parameters, trainable parameters, and the bytes of weights (frozen at model.dtype, trained in fp32), fp32
     gradients, AdamW state (2 x fp32), EMA and the frozen KL reference copy when the run has them;
   - activations per micro-batch at their peak: the tensors autograd saves for backward (attention as a fused
@@ -11,20 +13,37 @@ the run's dtype and LoRA, and one training micro-batch is run through it on meta
     block's (its recomputation and its gradients);
   - transformer FLOPs per iteration (torch's FlopCounterMode over that forward, x 3 for forward + backward, + 1
     forward to recompute under checkpointing): sampling (no grad) + training.
-Text encoders, VAE and rollout storage are not counted. A micro-batch is `train.micro_batch` rows (flow:
-transitions, doubled by CFG; token: sequences) or, when 0, a whole minibatch.
+The frozen parts are instantiated on meta too: the text encoders and the VAE (their parameters at model.dtype), and
+the VAE decode of one sampling chunk (`train.sample_chunk`, else `train.micro_batch` rows, 0 = all of a rank's rows),
+whose peak of live tensors (LivePeak) is the decode transient. Rollout storage is what a rank keeps from sampling to
+training: per row and trained action three fp32 latents (x_t, x_t+1 and the rollout mean; forward-process losses:
+x_t, the target and the old velocity), the prompt embedding, the decoded output; token policies the token ids and
+old log-probs (media pixels are not counted). The whole chain (every step's latent and mean) lives while sampling.
+
+Several GPUs (`world` data-parallel processes x `cp` context-parallel ranks each): a rank samples ceil(B / world)
+whole groups; minibatches are chunks of one global permutation, so a rank's rows in one minibatch vary: without
+`train.micro_batch` the plan sizes the training forward for the share exceeded once in 10^6 minibatches
+(hypergeometric). `train.parallel=fsdp` shards weights, gradients, AdamW state and EMA over world x cp GPUs (and
+all-gathers two blocks' weights at a time); ddp replicates them; the KL reference copy is made before wrapping and
+is never sharded. Context parallelism (mmrl/context_parallel.py) splits one forward's video tokens cp ways: the
+transformer activations per GPU divide by cp, while rollouts, text encoders, VAE and its decode stay per rank. No
+wall-clock time is estimated: FLOPs and rows per GPU are given instead.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmrl.config import policy_kind
+from mmrl.models.architectures import ARCHITECTURES
 
 GiB = 2**30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -203,26 +222,156 @@ def _prepare(module: torch.nn.Module, cfg, targets) -> None:
         module.requires_grad_(True)
 
 
-def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512) -> dict:
-    """The cost of one iteration of config `cfg` (see the module docstring). prompt_tokens: a token policy's
-    prompt length (with its video or image tokens)."""
-    from mmrl.models.architectures import ARCHITECTURES
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers: two transformers of the Wan2.1-14B architecture (dim 5120, 40 layers, 40 heads,
+# ffn 13824; Wan-Video/Wan2.2 wan/configs/wan_t2v_A14B.py), the high-noise expert for t >= 0.875 and the low-noise
+# one below, one per forward; both held in memory (and both trained by mmrl).
+PLAN_ARCHITECTURES = {**ARCHITECTURES, "wan22-a14b": {**ARCHITECTURES["wan21-14b"], "experts": 2}}
 
+# The frozen parts of each pipeline at real size (text_encoder*/config.json and vae/config.json of the released
+# folders): SD3.5 CLIP-L + CLIP-G + T5-XXL encoder (5.58 B) and a 16-channel VAE (84 M); FLUX.1 CLIP-L + T5-XXL;
+# Wan2.x the umT5-XXL encoder (5.68 B) and the Wan2.1 VAE (127 M, diffusers' defaults); Qwen-Image Qwen2.5-VL-7B and
+# its VAE (diffusers' defaults).
+_CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+               max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")
+_CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+               num_attention_heads=20, max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")
+_T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+               feed_forward_proj="gated-gelu")
+_VAE_16 = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=[128, 256, 512, 512],
+               down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+               layers_per_block=2, use_quant_conv=False, use_post_quant_conv=False)
+FROZEN_PARTS = {  # pipeline -> ([(transformers class, its config class, config)], (diffusers VAE class, config))
+    "StableDiffusion3Pipeline": ([("CLIPTextModelWithProjection", "CLIPTextConfig", _CLIP_L),
+                                  ("CLIPTextModelWithProjection", "CLIPTextConfig", _CLIP_G),
+                                  ("T5EncoderModel", "T5Config", _T5_XXL)], ("AutoencoderKL", _VAE_16)),
+    "FluxPipeline": ([("CLIPTextModel", "CLIPTextConfig", _CLIP_L), ("T5EncoderModel", "T5Config", _T5_XXL)],
+                     ("AutoencoderKL", _VAE_16)),
+    "WanPipeline": ([("UMT5EncoderModel", "UMT5Config", {**_T5_XXL, "vocab_size": 256384})], ("AutoencoderKLWan", {})),
+    "QwenImagePipeline": ([("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig",
+                            ARCHITECTURES["qwen25-vl-7b"]["config"])], ("AutoencoderKLQwenImage", {})),
+}
+
+
+def _frozen_parts(cfg, arch: dict | None) -> tuple[list[torch.nn.Module], torch.nn.Module | None]:
+    """(text encoders, VAE or None) on the meta device at the dtype the pipeline loads them with."""
+    import diffusers
+    import transformers
+
+    dtype = _DTYPES[cfg.model.dtype]
+    with torch.device("meta"):
+        if arch is not None:
+            encoders, (vae_cls, vae_cfg) = FROZEN_PARTS[arch["pipeline"]]
+            text = [getattr(transformers, c)(getattr(transformers, k)(**conf)) for c, k, conf in encoders]
+            vae = getattr(diffusers, vae_cls).from_config(vae_cfg)
+        else:
+            path = cfg.model.path
+            pipe = json.load(open(os.path.join(path, "model_index.json")))
+            if pipe["_class_name"] == "MMRLPixelPipeline":  # pixel space: a CLIP text encoder kept in fp32
+                conf = transformers.AutoConfig.from_pretrained(os.path.join(path, "text_encoder"))
+                return [transformers.CLIPTextModelWithProjection(conf)], None
+            text = [getattr(transformers, pipe[n][1])(transformers.AutoConfig.from_pretrained(os.path.join(path, n)))
+                    for n in sorted(pipe) if n.startswith("text_encoder") and (pipe[n] or [None])[0]]
+            vae = getattr(diffusers, pipe["vae"][1]).from_config(json.load(open(os.path.join(path, "vae", "config.json"))))
+    return [m.to(dtype) for m in text], vae.to(dtype)
+
+
+class LivePeak(TorchDispatchMode):
+    """The peak bytes of live tensors created under it (meta tensors included), not counting `exclude`d storages
+    (the parameters): a storage is live while a tensor created on it is referenced."""
+
+    def __init__(self, exclude: set[int] = frozenset()):
+        super().__init__()
+        self.exclude, self.refs, self.nbytes, self.live, self.peak = exclude, {}, {}, 0, 0
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            self.live -= self.nbytes.pop(key)
+            del self.refs[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage()._cdata
+                if key in self.exclude:
+                    continue
+                if key not in self.refs:
+                    self.refs[key], self.nbytes[key] = 0, t.untyped_storage().nbytes()
+                    self.live += self.nbytes[key]
+                    self.peak = max(self.peak, self.live)
+                self.refs[key] += 1
+                weakref.finalize(t, self._release, key)
+        return out
+
+
+def decode_peak(vae: torch.nn.Module, z: torch.Tensor) -> tuple[int, torch.Size]:
+    """(peak bytes of live tensors, output shape) of `vae.decode(z)` without gradients; z [n, C, (F,) H, W]."""
+    with torch.no_grad(), LivePeak({p.untyped_storage()._cdata for p in vae.parameters()}) as live:
+        out = vae.decode(z).sample
+    return live.peak, out.shape
+
+
+def rank_share(total: int, mine: int, drawn: int, p: float = 1e-6) -> tuple[float, int, int]:
+    """A rank's rows in one minibatch: `drawn` rows of `total` drawn without replacement, `mine` of them the rank's
+    (hypergeometric). Returns (mean, the count exceeded with probability < p, the most possible)."""
+    hi, lo = min(mine, drawn), max(0, drawn - (total - mine))
+    above, bound = 0, p * math.comb(total, drawn)  # P(X > k), scaled by comb(total, drawn)
+    for k in range(hi, lo - 1, -1):
+        if above >= bound:
+            return drawn * mine / total, k + 1, hi
+        above += math.comb(mine, k) * math.comb(total - mine, drawn - k)
+    return drawn * mine / total, lo, hi
+
+
+def _nbytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _check_layout(cfg, world: int, cp: int) -> None:
+    """Refuse a layout the run cannot have, naming the fix."""
+    if world < 1 or cp < 1:
+        raise ValueError(f"--world and --cp must be >= 1, got {world} and {cp}")
+    if world * cp > 1 and cfg.train.parallel == "none":
+        raise ValueError(f"train.parallel=none on {world * cp} GPUs: every process would train alone. Set "
+                         f"train.parallel=ddp (replicated weights) or fsdp (sharded weights)")
+    if cfg.train.prompts_per_iter < world:
+        raise ValueError(f"train.prompts_per_iter={cfg.train.prompts_per_iter} groups for --world {world}: ranks "
+                         f"sample whole groups. Set train.prompts_per_iter >= {world}")
+    if cp > 1 and policy_kind(cfg.model.policy) != "flow":
+        raise ValueError("--cp splits a flow transformer's video tokens (mmrl/context_parallel.py); token policies: --cp 1")
+
+
+def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int = 1, cp: int = 1) -> dict:
+    """The per-GPU cost of one iteration of config `cfg` (see the module docstring).
+
+    Args:
+        arch_name: a PLAN_ARCHITECTURES key instead of model.path's config files.
+        prompt_tokens: a token policy's prompt length (with its video or image tokens).
+        world: data-parallel processes (each samples ceil(B / world) whole groups).
+        cp: context-parallel ranks per process (one forward's video tokens split cp ways); world x cp GPUs.
+    Returns:
+        sizes in bytes / 2**30 (keys ending in _gib), parameter and row counts, TFLOP per iteration.
+    """
+    _check_layout(cfg, world, cp)
     arch = None
     if arch_name:
-        if arch_name not in ARCHITECTURES:
-            raise ValueError(f"unknown architecture {arch_name!r}; known: {sorted(ARCHITECTURES)}")
-        arch = ARCHITECTURES[arch_name]
+        if arch_name not in PLAN_ARCHITECTURES:
+            raise ValueError(f"unknown architecture {arch_name!r}; known: {sorted(PLAN_ARCHITECTURES)}")
+        arch = PLAN_ARCHITECTURES[arch_name]
         if arch["policy"] != policy_kind(cfg.model.policy):
             raise ValueError(f"--arch {arch_name} is a {arch['policy']} model but the config has "
                              f"model.policy={cfg.model.policy}")
     elif not os.path.isdir(cfg.model.path):
         raise FileNotFoundError(f"model.path={cfg.model.path!r} does not exist: point it at a model folder, or plan "
-                                f"a published architecture with --arch ({', '.join(sorted(ARCHITECTURES))})")
+                                f"a published architecture with --arch ({', '.join(sorted(PLAN_ARCHITECTURES))})")
     t, s = cfg.train, cfg.sampler
     n_rows = t.prompts_per_iter * t.group_size
-    per_minibatch = n_rows // t.minibatches
+    rank_rows = -(-t.prompts_per_iter // world) * t.group_size   # the most rows one rank samples
+    mean_rows, share, share_max = rank_share(n_rows, rank_rows, n_rows // t.minibatches)
+    chunk = t.micro_batch if getattr(t, "sample_chunk", -1) < 0 else t.sample_chunk  # rows per no-grad forward
     dtype = _DTYPES[cfg.model.dtype]
+    text, vae, decode, out_bytes, stored, chain, cache = [], None, 0, 0, 0, 0, 0
     if policy_kind(cfg.model.policy) is None:
         raise ValueError(f"mmrl plan knows the built-in policies (flow, token), not model.policy={cfg.model.policy}")
     if policy_kind(cfg.model.policy) == "flow":
@@ -232,6 +381,8 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512) -> dict:
 
         model, call, latent, text_tokens, enc_dim, pooled_dim = _flow_model(cfg, arch)
         name = type(model).__name__
+        if cp > 1 and not getattr(type(model), "_cp_plan", None):
+            raise ValueError(f"--cp {cp}: diffusers has no context-parallel plan for {name}; use --cp 1")
         targets = list(WAN_LORA_TARGETS if "Wan" in name else QWEN_IMAGE_LORA_TARGETS if "QwenImage" in name
                        else SD3_LORA_TARGETS)
         _prepare(model, cfg, targets)
@@ -243,7 +394,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512) -> dict:
         kinds = ["sde" if i < min(s.sde_window_size or s.num_steps, s.num_steps - 1) else "ode"
                  for i in range(s.num_steps)]  # MixGRPO-Flash's strided ODE, the window at its first start
         sample_calls = len(strided_schedule(torch.zeros(s.num_steps + 1), kinds, s.ode_stride)[1])
-        transitions = t.micro_batch or per_minibatch * trained_steps
+        transitions = t.micro_batch or share * trained_steps
         m = transitions * cfg_rows
         shapes = Shapes(m, n_rows * (sample_calls + (s.forward_timesteps if forward else 0)) * cfg_rows,
                         n_rows * trained_steps * cfg_rows * t.inner_epochs)
@@ -253,16 +404,33 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512) -> dict:
             enc = torch.empty(m, text_tokens, enc_dim, device="meta", dtype=dtype)
             call(model, x, torch.full((m,), 0.5, device="meta", dtype=dtype), enc,
                  torch.empty(m, pooled_dim, device="meta", dtype=dtype)).float().sum()
+
+        text, vae = _frozen_parts(cfg, arch)
+        latent_bytes = 4 * math.prod(latent)  # the SDE math is fp32
+        rows = chunk or rank_rows
+        if vae is not None:
+            video = "Wan" in type(vae).__name__ or "QwenImage" in type(vae).__name__
+            z = torch.empty(rows, *latent[:1], *(() if len(latent) == 4 or not video else (1,)), *latent[1:],
+                            device="meta", dtype=dtype)
+            decode, shape = decode_peak(vae, z)
+            out_bytes = 4 * math.prod(shape[1:])
+        else:
+            out_bytes = latent_bytes
+        prompt_bytes = (text_tokens * enc_dim + pooled_dim) * dtype.itemsize
+        stored = rank_rows * (3 * trained_steps * latent_bytes + prompt_bytes + out_bytes)
+        chain = rank_rows * (2 * sample_calls + 1) * latent_bytes
+        cache = min(cfg.model.text_cache * prompt_bytes, 2**30)  # BoundedCache(text_cache, 1 GiB) of embeddings
     else:
         from mmrl.policy.vlm import DEFAULT_LORA_TARGETS
 
         model = _token_model(cfg, arch)
         _prepare(model, cfg, DEFAULT_LORA_TARGETS)
         seq = prompt_tokens + s.max_new_tokens
-        m = t.micro_batch or per_minibatch
+        m = t.micro_batch or share
         shapes = Shapes(m, n_rows, n_rows * t.inner_epochs)
         base = model.model if hasattr(model, "model") else model
         lm = getattr(base, "language_model", base)
+        stored = rank_rows * (8 * seq + 4 * s.max_new_tokens)  # int64 token ids, fp32 old log-probs
 
         def run():
             ids = torch.zeros(m, seq, dtype=torch.long, device="meta")
@@ -277,43 +445,86 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512) -> dict:
     frozen_bytes = experts * sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     ref = n_params * dtype.itemsize if (cfg.algo.kl_coef > 0 and cfg.model.reference == "auto"
                                         and not cfg.model.lora.enabled) else 0
-    state = {"weights_frozen": frozen_bytes, "weights_trained_fp32": 4 * trainable, "gradients_fp32": 4 * trainable,
-             "adamw_state_fp32": 8 * trainable, "ema_fp32": 4 * trainable if t.ema_decay > 0 else 0,
-             "kl_reference_copy": ref}
+    shard = world * cp if t.parallel == "fsdp" else 1
+    state = {"weights_frozen": frozen_bytes / shard, "weights_trained_fp32": 4 * trainable / shard,
+             "gradients_fp32": 4 * trainable / shard, "adamw_state_fp32": 8 * trainable / shard,
+             "ema_fp32": 4 * trainable / shard if t.ema_decay > 0 else 0, "kl_reference_copy": ref}
+    # FSDP2 all-gathers one block's weights for its forward and prefetches the next: two blocks, unsharded
+    per_param = lambda p: 2 if (p.requires_grad and t.mixed_precision == "bf16") else p.element_size()  # noqa: E731
+    gathered = 2 * max((sum(p.numel() * per_param(p) for p in b.parameters()) for b in _blocks(model)), default=0) \
+        if shard > 1 else 0
     # the backward of a block allocates gradients of about its saved size while those are still held: the peak
     # is the saved tensors plus the largest block's (with checkpointing: the blocks' inputs, the largest block
     # recomputed, and its gradients)
     act = meas["saved"] + meas["largest_block"]
     act_ckpt = meas["block_inputs"] + 2 * meas["largest_block"] + meas["outside_blocks"]
+    text_bytes, vae_bytes = sum(_nbytes(e) for e in text), _nbytes(vae) if vae is not None else 0
+    resident = sum(v for k, v in state.items() if k != "gradients_fp32") + cache + gathered + stored
+    peak_sampling = resident + text_bytes + vae_bytes + chain + decode
+    peak_training = resident + state["gradients_fp32"] + (act_ckpt if t.gradient_checkpointing else act) / cp \
+        + (0 if cfg.model.offload else text_bytes + vae_bytes)
     fwd_row = meas["flops"] / m
     train_factor = 4 if t.gradient_checkpointing else 3
+    frac = rank_rows / n_rows  # of an iteration's rows, on one rank
     out = {
         "model": arch_name or cfg.model.path, "class": type(model).__name__, "policy": cfg.model.policy,
         "dtype": cfg.model.dtype, "lora": cfg.model.lora.enabled, "experts": experts,
+        "world": world, "cp": cp, "gpus": world * cp, "parallel": t.parallel, "sharded_over": shard,
         "params": n_params, "trainable_params": trainable,
+        "text_encoder_params": sum(p.numel() for e in text for p in e.parameters()),
+        "vae_params": sum(p.numel() for p in vae.parameters()) if vae is not None else 0,
         "micro_batch_rows": m, "rows_sampled_per_iter": shapes.rows_sampled, "rows_trained_per_iter": shapes.rows_trained,
+        "rows_per_rank": rank_rows, "groups_per_rank": rank_rows // t.group_size,
+        "rank_rows_per_minibatch_mean": mean_rows, "rank_rows_per_minibatch_planned": share,
+        "rank_rows_per_minibatch_max": share_max,
+        "rows_sampled_per_rank_per_iter": round(shapes.rows_sampled * frac),
+        "rows_trained_per_rank_per_iter": round(shapes.rows_trained * frac),
         **{f"{k}_gib": v / GiB for k, v in state.items()},
-        "activations_per_micro_batch_gib": act / GiB,
-        "activations_per_micro_batch_checkpointed_gib": act_ckpt / GiB,
-        "total_gib": (sum(state.values()) + (act_ckpt if t.gradient_checkpointing else act)) / GiB,
+        "fsdp_gathered_blocks_gib": gathered / GiB,
+        "text_encoders_gib": text_bytes / GiB, "text_cache_gib": cache / GiB, "vae_gib": vae_bytes / GiB,
+        "rollout_storage_gib": stored / GiB, "sampling_chain_gib": chain / GiB,
+        "vae_decode_rows": (chunk or rank_rows) if vae is not None else 0, "vae_decode_transient_gib": decode / GiB,
+        "activations_per_micro_batch_gib": act / GiB / cp,
+        "activations_per_micro_batch_checkpointed_gib": act_ckpt / GiB / cp,
+        "peak_sampling_gib": peak_sampling / GiB, "peak_training_gib": peak_training / GiB,
+        "total_gib": max(peak_sampling, peak_training) / GiB,
         "forward_tflop_per_row": fwd_row / 1e12,
         "tflop_per_iter_sampling": fwd_row * shapes.rows_sampled / 1e12,
         "tflop_per_iter_training": fwd_row * shapes.rows_trained * train_factor / 1e12,
+        "tflop_per_gpu_per_iter": fwd_row * (shapes.rows_sampled + shapes.rows_trained * train_factor) * frac / cp / 1e12,
     }
     return out
 
 
 def format_plan(p: dict) -> str:
     g = lambda k: f"{p[k]:.2f} GiB"  # noqa: E731
-    lines = [f"{p['model']} ({p['class']}, {p['dtype']}{', LoRA' if p['lora'] else ', full fine-tuning'})",
+    cp_note = f" (1/{p['cp']} of the tokens per GPU)" if p["cp"] > 1 else ""
+    layout = (f"{p['gpus']} GPU(s): --world {p['world']} x --cp {p['cp']}, train.parallel={p['parallel']}, "
+              f"weights / gradients / AdamW / EMA sharded over {p['sharded_over']}")
+    lines = [f"{p['model']} ({p['class']}{' x 2 experts' if p['experts'] == 2 else ''}, {p['dtype']}"
+             f"{', LoRA' if p['lora'] else ', full fine-tuning'}); per GPU on {layout}",
              f"  parameters            {p['params'] / 1e9:.3f} B, trainable {p['trainable_params'] / 1e6:.1f} M",
              f"  frozen weights        {g('weights_frozen_gib')}",
              f"  trained weights fp32  {g('weights_trained_fp32_gib')}   gradients {g('gradients_fp32_gib')}   "
              f"AdamW state {g('adamw_state_fp32_gib')}   EMA {g('ema_fp32_gib')}",
              f"  KL reference copy     {g('kl_reference_copy_gib')}",
+             f"  FSDP gathered blocks  {g('fsdp_gathered_blocks_gib')}",
+             f"  text encoders         {g('text_encoders_gib')} ({p['text_encoder_params'] / 1e9:.2f} B), "
+             f"prompt-embedding cache {g('text_cache_gib')}",
+             f"  VAE                   {g('vae_gib')} ({p['vae_params'] / 1e6:.0f} M)",
+             f"  rollout storage       {g('rollout_storage_gib')} ({p['rows_per_rank']} rows = {p['groups_per_rank']} "
+             f"groups per rank), the sampling chain {g('sampling_chain_gib')}",
+             f"  VAE decode transient  {g('vae_decode_transient_gib')} ({p['vae_decode_rows']} rows at once)",
              f"  activations / micro-batch of {p['micro_batch_rows']} rows: {g('activations_per_micro_batch_gib')}, "
-             f"with gradient checkpointing {g('activations_per_micro_batch_checkpointed_gib')}",
+             f"with gradient checkpointing {g('activations_per_micro_batch_checkpointed_gib')}"
+             f"{cp_note}",
+             f"  rank rows / minibatch mean {p['rank_rows_per_minibatch_mean']:.1f}, planned "
+             f"{p['rank_rows_per_minibatch_planned']} (exceeded in < 1e-6 of minibatches), most "
+             f"{p['rank_rows_per_minibatch_max']}",
+             f"  peak sampling         {g('peak_sampling_gib')}   peak training {g('peak_training_gib')}",
              f"  total (this config)   {g('total_gib')}",
              f"  TFLOP / iteration     sampling {p['tflop_per_iter_sampling']:.1f} ({p['rows_sampled_per_iter']} rows), "
-             f"training {p['tflop_per_iter_training']:.1f} ({p['rows_trained_per_iter']} rows x fwd+bwd)"]
+             f"training {p['tflop_per_iter_training']:.1f} ({p['rows_trained_per_iter']} rows x fwd+bwd); per GPU "
+             f"{p['tflop_per_gpu_per_iter']:.1f} ({p['rows_sampled_per_rank_per_iter']} rows sampled, "
+             f"{p['rows_trained_per_rank_per_iter']} trained per rank)"]
     return "\n".join(lines)

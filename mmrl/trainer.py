@@ -28,9 +28,9 @@ from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS
                              RATIO_TRANSFORMS, REWARD_SHAPINGS, WEIGHTINGS)
 from mmrl.algorithms.advantages import group_stats
 from mmrl.algorithms.offpolicy import injection_diagnostics
-from mmrl.config import Config
+from mmrl.config import Config, sample_chunk
 from mmrl.data import Rollout, micro_batches
-from mmrl.distributed import Distributed, full
+from mmrl.distributed import Distributed, check_parallel_config, full
 from mmrl.evaluation import evaluate_outputs
 from mmrl.metrics import Logger, SignalWatch, Timer, per_category
 from mmrl.rollout.contrast import contrast_rollout
@@ -46,20 +46,21 @@ class Trainer:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.dist = Distributed(cfg.train.parallel)
+        check_parallel_config(cfg, self.dist.world)  # before any weight loads
         torch.manual_seed(cfg.train.seed)  # the same initial weights (and LoRA init) on every rank
         self.policy = compose.build_policy(cfg)
         if cfg.train.gradient_checkpointing:
             self.policy.enable_gradient_checkpointing()
         if self.dist.world > 1:
-            self.dist.check_config(cfg)
+            self.policy.dist = self.dist  # policies that must keep ranks in lockstep (FSDP decoding) use it
             self.policy.parallelize(lambda m: self.dist.wrap(m, cfg.train.mixed_precision), cfg.train.parallel)
         with self.dist.main_first():  # a task that writes its data (the grounding world) does it once
             self.task = compose.build_task(cfg.task)
         self.reward_fn = compose.build_reward(cfg.reward.name, cfg.reward.kwargs)
-        self.reward = RewardRunner(self.reward_fn, cfg.reward.on_error, cfg.train.micro_batch)
+        self.reward = RewardRunner(self.reward_fn, cfg.reward.on_error, sample_chunk(cfg.train))
         self.eval_reward = self.reward if not cfg.reward.eval_name else RewardRunner(
             compose.build_reward(cfg.reward.eval_name, cfg.reward.eval_kwargs, "reward.eval"), cfg.reward.on_error,
-            cfg.train.micro_batch)
+            sample_chunk(cfg.train))
         self.credit = CREDIT_ASSIGNMENTS[compose.credit_name(cfg)]
         self.reward_pool = ThreadPoolExecutor(cfg.reward.workers, "reward") if cfg.reward.workers else None
         self.params = list(self.policy.trainable_parameters())
@@ -113,8 +114,9 @@ class Trainer:
         results["eval_end"] = self.evaluate(self.iteration)
         results["eval_timed"] = self.timed_evals  # log.eval_every_min: [{minutes, iteration, metrics...}]
         results["iterations"] = self.iteration
-        with open(os.path.join(cfg.log.out_dir, "results.json"), "w") as f:
-            json.dump(results, f, indent=2)
+        if self.dist.main:  # one writer
+            with open(os.path.join(cfg.log.out_dir, "results.json"), "w") as f:
+                json.dump(results, f, indent=2)
         self.logger.close()
         if self.reward_pool is not None:
             self.reward_pool.shutdown()
@@ -126,16 +128,20 @@ class Trainer:
         torch.manual_seed(seed)
         self.policy.iteration = it  # schedules that move with training (sampler.window_schedule=sliding)
         rollout, rewards, valid, metrics = self._collect(random.Random(seed), torch.Generator().manual_seed(seed))
-        metrics["rollout/actions_mean"] = rollout.action_mask.sum(-1).float().mean().item()  # tokens: completion length
-        local = (rollout, valid)
-        if self.dist.world > 1:  # advantages need whole groups: every rank sees every row's reward
-            rollout, rewards, valid, self._local_rows, self._row_actions = self.dist.gather_rows(rollout, rewards, valid)
         shaping, extra = REWARD_SHAPINGS[a.reward_shaping], ()
         if getattr(shaping, "needs_contrast", False):  # e.g. T-GRPO: the same prompts with shuffled frames
             sample = lambda ex, g: self.policy.sample(ex, g, torch.Generator().manual_seed(seed + 1))  # noqa: E731
-            contrast, stats = contrast_rollout(sample, self.reward, rollout, t.group_size, seed)
-            extra = (contrast,)
-            metrics.update(stats)
+            real = rollout.select((rollout.group_id >= 0).nonzero().squeeze(-1))  # this rank's whole groups
+            (_, c_reward, c_gid), stats = contrast_rollout(sample, self.reward, real, t.group_size, seed)
+            extra = (self.dist.gather(c_reward), self.dist.gather(c_gid))
+            metrics.update({k: self.dist.mean_stats({k: [v]})[k] for k, v in stats.items()})
+        local = (rollout, valid)
+        if self.dist.world > 1:  # advantages need whole groups: every rank sees every row's reward, in order
+            rollout, rewards, valid, self._local_rows, self._row_actions = self.dist.gather_rows(rollout, rewards, valid)
+        if extra:
+            extra = ((rollout.group_id, *extra),)
+        row_actions = self._row_actions if self.dist.world > 1 else rollout.action_mask.sum(-1)
+        metrics["rollout/actions_mean"] = row_actions.float().mean().item()  # tokens: completion length
         shaped = shaping(rewards["overall"], a, *extra)
         adv, adv_stats = self.credit({**rewards, "overall": shaped}, getattr(self.reward_fn, "weights", None), rollout,
                                      valid, cfg, it)  # [N] or [N, A] (tree rollouts: per transition)
@@ -147,68 +153,90 @@ class Trainer:
         metrics.update(adv_stats)
         metrics.update(injection_diagnostics(shaped, rollout.group_id, valid, rollout.is_offpolicy, adv_fn))
         metrics.update(per_category(rollout.examples, rewards["overall"], valid))
-        if self.dist.world > 1:  # back to this rank's rows
-            (rollout, valid), adv = local, adv[self._local_rows]
+        overall = rewards["overall"]
+        if self.dist.world > 1:  # back to this rank's rows (a padding row, group id -1, has none: zero advantage)
+            (rollout, valid) = local
+            real = rollout.group_id >= 0
+            valid = valid & real
             rollout.action_mask &= valid.unsqueeze(-1)
+            mine = torch.zeros((len(rollout), *adv.shape[1:]), dtype=adv.dtype)
+            mine[real], adv = adv[self._local_rows], mine
+            overall = torch.zeros(len(rollout)).index_put_((real.nonzero().squeeze(-1),), overall[self._local_rows])
         with self.timer("train"):
             metrics.update(self.optimize(rollout, adv))
         metrics.update(self.timer.pop())
-        if cfg.log.image_every and it % cfg.log.image_every == 0:
-            self.logger.samples(it, rollout.outputs, rollout.examples, rewards["overall"], t.group_size)
+        if cfg.log.image_every and it % cfg.log.image_every == 0:  # rank 0's rows
+            self.logger.samples(it, rollout.outputs, rollout.examples, overall, t.group_size)
         return metrics
 
     def _collect(self, rng: random.Random, gen: torch.Generator):
-        """Sample B groups and score them. With algo.dynamic_sampling (DAPO), groups whose rewards have zero
-        std are replaced by freshly sampled ones for up to dynamic_sampling_tries extra rounds (zero-std groups
-        fill what is still missing, so the batch always holds B groups)."""
+        """Sample B groups and score them: this rank's whole groups, with global group ids. With
+        algo.dynamic_sampling (DAPO), groups whose rewards have zero std are replaced by freshly sampled ones for up
+        to dynamic_sampling_tries extra rounds (zero-std groups fill what is still missing, so the batch always
+        holds B groups). The choice is made from every rank's groups in the single-process order, so every rank
+        takes the same decision; a rank left without a chosen group keeps one padding row (group id -1, never
+        trained, never counted)."""
         t, a = self.cfg.train, self.cfg.algo
         rounds = 1 + (a.dynamic_sampling_tries if a.dynamic_sampling else 0)
-        good, spare, failures = [], [], 0
+        good, spare, parts, failures = [], [], {}, 0
         for r in range(rounds):
-            need = t.prompts_per_iter - sum(len(torch.unique(g[0].group_id)) for g in good)
+            need = t.prompts_per_iter - len(good)
             if need <= 0:
                 break
             rollout, rewards, valid, fails = self._sample_and_score(self.task.sample(need, rng), gen)
             failures += fails
             if not a.dynamic_sampling:
-                return rollout, rewards, valid, {"reward/failed_samples": fails}
+                return rollout, rewards, valid, {"reward/failed_samples": self._total(fails)}
             _, std, _ = group_stats(rewards["overall"], rollout.group_id, valid)
-            for g in torch.unique(rollout.group_id):
+            mine = []
+            for g in torch.unique(rollout.group_id).tolist():
                 rows = (rollout.group_id == g).nonzero().squeeze(-1)
-                part = (rollout.select(rows), {k: v[rows] for k, v in rewards.items()}, valid[rows])
-                (good if std[rows].max() > 1e-8 else spare).append(part)
+                parts[(r, g)] = (rollout.select(rows), {k: v[rows] for k, v in rewards.items()}, valid[rows])
+                mine.append((g, bool(std[rows].max() > 1e-8)))
+            for g, informative in sorted(self.dist.gather_list(mine)):  # every rank's groups, in order
+                (good if informative else spare).append((r, g))
         n_good = len(good)
-        parts = (good + spare)[:t.prompts_per_iter]
-        rollout = Rollout.concat([p[0] for p in parts])
-        rewards = {k: torch.cat([p[1][k] for p in parts]) for k in parts[0][1]}
-        valid = torch.cat([p[2] for p in parts])
-        return rollout, rewards, valid, {"reward/failed_samples": failures, "dynamic/rounds": r + 1,
+        chosen = [(k, parts[key]) for k, key in enumerate((good + spare)[:t.prompts_per_iter]) if key in parts]
+        if not chosen:  # padding: one row of this rank's last sample, masked out
+            ro, rw, v = parts[max(parts)]
+            chosen = [(-1, (ro.select(torch.tensor([0])), {k: x[:1] for k, x in rw.items()}, v[:1] & False))]
+        rollout = Rollout.concat([p[0] for _, p in chosen])
+        rollout.group_id = torch.cat([torch.full((len(p[0]),), k) for k, p in chosen])   # global ids
+        rewards = {k: torch.cat([p[1][k] for _, p in chosen]) for k in chosen[0][1][1]}
+        valid = torch.cat([p[2] for _, p in chosen])
+        return rollout, rewards, valid, {"reward/failed_samples": self._total(failures), "dynamic/rounds": r + 1,
                                          "dynamic/informative_groups": min(n_good, t.prompts_per_iter)}
 
+    def _total(self, n: int) -> int:
+        """The sum of every rank's n."""
+        return sum(self.dist.gather_list([n]))
+
     def _sample_and_score(self, examples: list[dict], gen: torch.Generator):
-        """Sample a group per example and score it. With reward.workers > 0 the examples are sampled in
-        reward.overlap_chunks chunks, and each chunk is scored in the thread pool while the next one samples
-        (a remote reward then runs fully in parallel); the chunks are joined in order."""
+        """Sample a group per example and score it (this rank's groups; group ids are the examples' indices).
+        With reward.workers > 0 the examples are sampled in reward.overlap_chunks chunks, and each chunk is scored
+        in the thread pool while the next one samples (a remote reward then runs fully in parallel); the chunks
+        are joined in order, each sharded over the ranks like a whole batch."""
         a, r = self.cfg.algo, self.cfg.reward
 
-        def sample(chunk):  # sampling computes like the training forward (bf16 under mixed precision)
+        def sample(chunk, first_group):  # sampling computes like the training forward (bf16 under mixed precision)
             with self.timer("rollout"), self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
-                rollout = self.dist.sample(self.policy, chunk, self.cfg.train.group_size, gen)
+                rollout = self.dist.sample(self.policy, chunk, self.cfg.train.group_size, gen, first_group)
                 return OFFPOLICY[a.offpolicy](self.policy, rollout, self.task)[0]
 
         if self.reward_pool is None:
-            rollout = sample(examples)
+            rollout = sample(examples, 0)
             with self.timer("reward"):
                 return (rollout, *self.reward(rollout.outputs, rollout.examples, rollout.group_id))
         k = min(r.overlap_chunks, len(examples))
         bounds = [len(examples) * c // k for c in range(k + 1)]
         parts = []
         for c in range(k):
-            ro = sample(examples[bounds[c]:bounds[c + 1]])
+            ro = sample(examples[bounds[c]:bounds[c + 1]], bounds[c])
             parts.append((ro, self.reward_pool.submit(self.reward, ro.outputs, ro.examples, ro.group_id)))
         with self.timer("reward_wait"):  # the reward time not hidden behind sampling
-            scored = [(ro, f.result()) for ro, f in parts]
+            scored = [(ro, f.result()) for ro, f in parts if len(ro)]
         rollout = Rollout.concat([ro for ro, _ in scored])
+        rollout.group_id = torch.cat([ro.group_id for ro, _ in scored])  # global ids, not renumbered
         keys = set.intersection(*(set(s[0]) for _, s in scored))  # a per-sample retry may drop component keys
         rewards = {key: torch.cat([s[0][key] for _, s in scored]) for key in sorted(keys)}
         return rollout, rewards, torch.cat([s[1] for _, s in scored]), sum(s[2] for _, s in scored)
@@ -219,11 +247,15 @@ class Trainer:
         return self._optimize(rollout, adv, torch.arange(len(rollout)), rollout.action_mask.sum(-1))
 
     def _optimize(self, rollout: Rollout, adv: torch.Tensor, rows: torch.Tensor, row_actions: torch.Tensor) -> dict:
-        """rows: the global indices of this rank's rows of the rollout; row_actions [N]: trained actions of every
-        row (all ranks). Minibatches are chunks of one global permutation; each rank trains its rows of them,
-        normalized by the whole step's counts (x world, as DDP / FSDP average the gradients over ranks)."""
+        """rows [n]: the positions of this rank's rows in the single-process order; row_actions [N]: trained actions
+        of every row (all ranks). Minibatches are chunks of one global permutation; each rank trains its rows of
+        them, normalized by the whole step's counts (x world, as DDP / FSDP average the gradients over ranks).
+        Every rank runs as many forward / backward passes as the rank that needs the most (zero-weight padding),
+        and gradients are synchronized only by the last backward of an optimizer step."""
         cfg, t, w = self.cfg, self.cfg.train, self.dist.world
-        n_total, off = len(row_actions), int(rows[0]) if len(rows) else 0
+        n_total = len(row_actions)
+        local = torch.full((n_total,), -1, dtype=torch.long)
+        local[rows] = torch.arange(len(rows))                    # single-process position -> this rank's row
         stats: dict[str, list] = {}
         ratios, steps = [], 0
         for epoch in range(t.inner_epochs):
@@ -231,18 +263,23 @@ class Trainer:
             chunks = perm.tensor_split(t.minibatches)  # minibatches (uneven when N is not divisible)
             for m in tqdm(range(t.minibatches), desc=f"train epoch {epoch}", leave=False,
                           disable=not cfg.log.progress or t.minibatches == 1 or not self.dist.main):
-                mine = chunks[m][(chunks[m] >= off) & (chunks[m] < off + len(rows))] - off  # local indices
-                # a rank with no row in this minibatch still runs one (zero-weighted) forward and backward, so
-                # every rank takes part in the same collectives
-                idx, weight = (mine, 1.0) if len(mine) else (torch.tensor([0]), 0.0)
+                mine = local[chunks[m]]
+                mine = mine[mine >= 0]                              # this rank's rows of the minibatch, in its order
                 # Normalize by the sizes of the optimizer step's whole batch (grad_accum minibatches): the
                 # gradient of one step is that of its full-batch loss whatever the minibatch split.
                 first = m - m % t.grad_accum
                 step_rows = torch.cat(chunks[first:first + t.grad_accum])
                 n_step, a_step = len(step_rows) / w, max(int(row_actions[step_rows].sum()), 1) / w
-                for part, actions in micro_batches(rollout.action_mask, idx, t.micro_batch, self.policy.scores_actions):
-                    self._accumulate(rollout, part, actions, adv, n_step, a_step, weight, steps, stats, ratios)
-                if (m + 1) % t.grad_accum == 0:
+                parts = list(micro_batches(rollout.action_mask, mine, t.micro_batch, self.policy.scores_actions)) \
+                    if len(mine) else []
+                passes = self.dist.max_int(len(parts))             # every rank joins the same collectives
+                syncs = (m + 1) % t.grad_accum == 0
+                for j in range(passes):
+                    # a rank with fewer passes runs zero-weighted ones on its first row
+                    part, actions, weight = (*parts[j], 1.0) if j < len(parts) else (torch.tensor([0]), None, 0.0)
+                    with self.dist.no_sync(not (syncs and j == passes - 1)):
+                        self._accumulate(rollout, part, actions, adv, n_step, a_step, weight, steps, stats, ratios)
+                if syncs:
                     stats.setdefault("grad_norm", []).append(
                         full(torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm)).item())
                     self.opt.step()
@@ -250,14 +287,22 @@ class Trainer:
                     if self.ema is not None:
                         self.ema.update()
                     steps += 1
-        out = {f"train/{k}": sum(v) / len(v) for k, v in stats.items()}
+        out = {f"train/{k}": v for k, v in self.dist.mean_stats(stats).items()}  # every rank's passes
         out["train/clip_frac"] = out.pop("train/clipped", 0.0)
         out["train/ratio_mean"] = out.pop("train/ratio", 1.0)
         labels = rollout.extras.get("step_index")
-        per_action = torch.stack([r for r, _ in ratios]).sum(0) / torch.stack([c for _, c in ratios]).sum(0).clamp(min=1)
-        for j, r in enumerate(per_action.tolist()):
-            out[f"ratio_per_action/{int(labels[0, j]) if labels is not None else j}"] = r
+        sums = self.dist.gather_list([(torch.stack([r for r, _ in ratios]).sum(0).tolist(),
+                                       torch.stack([c for _, c in ratios]).sum(0).tolist())] if ratios else [])
+        width = max((len(r) for r, _ in sums), default=0)       # token policies: completions differ in length
+        per_action = [sum(r[j] for r, _ in sums if j < len(r)) / max(sum(c[j] for _, c in sums if j < len(c)), 1)
+                      for j in range(width)]
+        for j, r in enumerate(per_action):
+            out[f"ratio_per_action/{int(labels[0, j]) if labels is not None and j < labels.shape[1] else j}"] = r
         out["train/optimizer_steps"] = steps
+        if "train/first_ratio_dev" in out and out["train/first_ratio_dev"] > t.ratio_warn > 0:
+            log.warning("iteration %d: the first pass's |ratio - 1| is %.3g (train.ratio_warn=%g): the rollout's log-probs "
+                        "differ from the trainer's under the same weights (sampling engine, precision, nondeterminism)",
+                        self.iteration, out["train/first_ratio_dev"], t.ratio_warn)
         if steps:  # an engine with its own weight copy (vLLM) reloads
             self.policy.sync_weights()
         return out
@@ -295,10 +340,15 @@ class Trainer:
         if a.sft_coef > 0:  # supervised anchor: NLL of the injected (off-policy) rows' actions
             inj = mb.is_offpolicy[:, None] & part  # [n, A]
             loss_a = loss_a - a.sft_coef * out.log_prob * inj
-            if inj.any():
+            if inj.any() and weight:
                 stats.setdefault("sft_nll", []).append(-out.log_prob.detach()[inj].mean().item())
         loss = LOSS_AGG[a.loss_agg](loss_a * part, mask, n_step, a_step) * weight
         loss.backward()
+        if not weight:  # a padding pass: no statistics
+            return
+        if not steps:  # the rollout's log-probs against the trainer's, same weights: 0 unless they disagree
+            dev_ = (torch.exp(out.log_prob.detach() - mb.old_log_prob) - 1).abs()
+            stats.setdefault("first_ratio_dev", []).append(dev_[part].mean().item() if part.any() else 0.0)
         for k, v in s.items():
             stats.setdefault(k, []).append(v[part].float().mean().item() if part.any() else 0.0)
         stats.setdefault("approx_kl", []).append(
@@ -319,7 +369,8 @@ class Trainer:
         with self.ema_weights():
             # through the runner: a sample whose reward fails scores 0 (and is logged) instead of ending the run
             res = evaluate_outputs(self.policy.evaluate, self.task.eval_examples(), lambda o, e: self.eval_reward(o, e)[0],
-                                   seed=10_000, progress=self.cfg.log.progress)
+                                   seed=10_000, batch_size=sample_chunk(self.cfg.train) or 64,
+                                   progress=self.cfg.log.progress and self.dist.main, dist=self.dist)
         flat = {f"eval/{k}": v for k, v in res.items() if k not in ("per_category", "n")}
         for c, d in res["per_category"].items():
             flat.update({f"eval_by_category/{c}/{k}": v for k, v in d.items() if k != "n"})
@@ -340,8 +391,9 @@ class Trainer:
 def train(cfg: Config, resume: bool = False) -> dict:
     trainer = Trainer(cfg)
     os.makedirs(cfg.log.out_dir, exist_ok=True)
-    with open(os.path.join(cfg.log.out_dir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2)
+    if trainer.dist.main:  # one writer
+        with open(os.path.join(cfg.log.out_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
     if resume and not trainer.resume():
         log.warning("--resume: no checkpoint in %s/checkpoints; starting from scratch", cfg.log.out_dir)
     results = trainer.fit()

@@ -62,6 +62,7 @@ class PolicyDefaults:
     scores_actions = False
     defer_old_log_prob = False
     iteration = 0  # the trainer's iteration, set before each rollout (schedules that move with training read it)
+    dist = None    # mmrl.distributed.Distributed of a multi-process run (set by the trainer before parallelize)
 
     def sync_weights(self) -> None:
         pass

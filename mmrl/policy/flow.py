@@ -22,6 +22,7 @@ import torch
 
 from mmrl.algorithms.losses import objective
 from mmrl.cache import BoundedCache
+from mmrl.config import sample_chunk
 from mmrl.data import PolicyOutput, Rollout, group_ids
 from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, save_lora_adapter, upcast_trainable,
                               write_policy_meta)
@@ -145,12 +146,13 @@ class FlowPolicy(PolicyDefaults):
         rows: only these of the B * G rows (several processes share one iteration's rows; a group may be cut).
         Each row's noise comes from its own seed, so a row is the same whichever process samples it."""
         texts = [ex["prompt"] for ex in examples]
-        all_rows = torch.arange(len(texts) * group_size)
-        rows = all_rows if rows is None else rows
-        if self.tree.split_steps:
-            if len(rows) != len(all_rows):
-                raise ValueError("tree rollouts cannot split a tree across processes: run BranchGRPO in one process")
-            traj, steps, extra = self._sample_tree(texts, generator)
+        rows = torch.arange(len(texts) * group_size) if rows is None else rows
+        if self.tree.split_steps:  # rows are whole trees (several processes shard by groups)
+            trees = (rows[::group_size] // group_size).tolist()
+            if not torch.equal(rows, torch.tensor([t * group_size + j for t in trees for j in range(group_size)],
+                                                  dtype=rows.dtype)):
+                raise ValueError("tree rollouts sample whole trees: rows must be whole groups")
+            traj, steps, extra = self._sample_tree(texts, generator, trees)
         else:
             traj, steps, extra = self._sample_chain(texts, group_size, generator, rows.tolist())
         n, w = len(rows), torch.tensor(steps)
@@ -218,10 +220,13 @@ class FlowPolicy(PolicyDefaults):
         return traj, window, {"enc": enc, "pooled": pooled, "pos": [pos[i] for i in window],
                               "seeds": [seeds[i] for i in rows]}
 
-    def _sample_tree(self, texts, generator):
+    def _sample_tree(self, texts, generator, trees: list[int]):
+        """Trees `trees` of the batch's len(texts): each tree's noise comes from its own seed (one generator per
+        tree, its paths drawing in order), so a tree is the same whichever process grows it."""
         t = self.tree
-        enc, pooled = self.encode(texts)                            # [B, L, D], [B, P]
         seeds = self._seeds(len(texts), generator)
+        texts, seeds = [texts[i] for i in trees], [seeds[i] for i in trees]
+        enc, pooled = self.encode(texts)                            # [B, L, D], [B, P]
         x = self.model.initial_noise(seeds, self.device)             # [B, C, H, W] one root noise per tree
         last = self.cfg.num_steps - 1
         sde = self._window(generator) if self.cfg.sde_window_size else range(last)  # Mix: window + splits
@@ -233,7 +238,7 @@ class FlowPolicy(PolicyDefaults):
             return self._velocity_fn(enc[tree], pooled[tree])(x, s)
 
         tr = run_tree(velocity, x, self.sigmas, kinds, t.split_steps, t.branch, self.cfg.noise_level,
-                      generator=torch.Generator(self.device).manual_seed(seeds[0]), reduce=self.cfg.logprob_reduce,
+                      generator=[torch.Generator(self.device).manual_seed(s) for s in seeds], reduce=self.cfg.logprob_reduce,
                       split_noise_scale=t.split_noise_scale, progress=self.progress)
         g = t.branch ** len(t.split_steps)
         n = len(texts) * g
@@ -416,7 +421,7 @@ def build_flow_policy(cfg) -> FlowPolicy:
     options = {"sample_size": cfg.model.sample_size, "num_frames": cfg.model.num_frames, "guidance": cfg.model.guidance}
     model = load_flow_model(path, dtype, device, **options)
     return FlowPolicy(model, cfg.sampler, cfg.model.lora, reference_kind(cfg), path, cfg.log.progress, cfg.tree,
-                      options, cfg.train.micro_batch, cfg.model.text_cache, cfg.model.offload,
+                      options, sample_chunk(cfg.train), cfg.model.text_cache, cfg.model.offload,
                       objective(cfg.algo.policy_loss))
 
 

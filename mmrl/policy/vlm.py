@@ -28,6 +28,7 @@ from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind,
                               write_policy_meta)
 from mmrl.rollout.engine import HFEngine, PrefixCacheEngine, SamplingParams, completion_mask
 from mmrl.cache import BoundedCache
+from mmrl.config import sample_chunk
 from mmrl.video import VideoCache, VideoError, VideoOptions
 
 log = logging.getLogger(__name__)
@@ -363,17 +364,13 @@ class TokenPolicy(PolicyDefaults):
         if parallel == "fsdp":
             if not isinstance(self.engine, PrefixCacheEngine):
                 raise ValueError("train.parallel=fsdp needs sampler.engine=prefix_cache for token policies")
-            import torch.distributed as dist
+            dist = self.dist  # mmrl.distributed.Distributed, set by the trainer: its CPU group (NCCL has no CPU backend)
 
             def all_done(finished: bool) -> bool:
-                flag = torch.tensor([float(finished)])
-                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-                return bool(flag.item())
+                return dist.all_true(finished)
 
             def pad_forwards(n: int) -> int:
-                most = torch.tensor([float(n)])
-                dist.all_reduce(most, op=dist.ReduceOp.MAX)
-                return int(most.item()) - n
+                return dist.max_int(n) - n
 
             self.engine.all_done, self.pad_forwards = all_done, pad_forwards
         # one forward per scoring call on every rank (the shared-prefix pass makes one or two, by minibatch)
@@ -449,7 +446,7 @@ def build_token_policy(cfg) -> TokenPolicy:
     opts = VideoOptions(v.backend, v.fps, v.nframes, v.min_pixels, v.max_pixels, v.total_pixels)
     return TokenPolicy(model, processor, cfg.sampler, cfg.model.lora, opts, cfg.model.freeze_vision,
                        reference_kind(cfg), path, v.on_error, v.cache_size, cfg.model.shared_prefix,
-                       cfg.train.micro_batch, v.cache_mb)
+                       sample_chunk(cfg.train), v.cache_mb)
 
 
 def load_token_policy(path: str, video: VideoOptions | None = None, video_on_error: str = "raise",

@@ -59,7 +59,9 @@ def run_tree(velocity, x: torch.Tensor, sigmas: torch.Tensor, kinds: list[str], 
              noise_level: float, generator: torch.Generator | None = None, reduce: str = "mean",
              split_noise_scale: float = 1.0, progress: bool = False) -> Tree:
     """Grow B trees from roots x [B, *D]. velocity(x [M, *D], sigma [M], tree [M] long) -> v [M, *D] evaluates
-    the M alive paths of step i in one call. kinds[i] is step i's sampler; split steps must not be "ode"."""
+    the M alive paths of step i in one call. kinds[i] is step i's sampler; split steps must not be "ode".
+    generator: one for all paths, or a list of B (one per tree: its paths draw from it in order, so a tree's noise
+    does not depend on the other trees of the batch)."""
     is_split = split_schedule(len(kinds), splits)
     if any(kinds[i] == "ode" for i in splits):
         raise ValueError("tree split steps must be SDE steps")
@@ -76,7 +78,8 @@ def run_tree(velocity, x: torch.Tensor, sigmas: torch.Tensor, kinds: list[str], 
         calls += m
         k = branch if is_split[i] else 1
         parent = torch.arange(m).repeat_interleave(k)                                  # [M * k]
-        out = step(kind, x[parent], v[parent], sig[parent], sig_next[parent], noise_level, sigma_max, generator,
+        gens = [generator[i] for i in tree[parent].tolist()] if isinstance(generator, list) else generator
+        out = step(kind, x[parent], v[parent], sig[parent], sig_next[parent], noise_level, sigma_max, gens,
                    reduce, split_noise_scale if is_split[i] else 1.0)                 # children share v
         tree = tree[parent]
         if is_split[i]:
