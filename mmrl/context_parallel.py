@@ -163,7 +163,12 @@ def enable_context_parallel(transformer, cp_degree: int, mesh: DeviceMesh | None
 
 def reduce_gradients(params: Iterable[torch.nn.Parameter], mesh: DeviceMesh) -> None:
     """Make every rank's .grad the gradient of the mean loss over dp rows: SUM over the cp group (each cp rank
-    holds the part of its own tokens), MEAN over dp. One all-reduce over the mesh's ranks, divided by dp."""
+    holds the part of its own tokens), MEAN over dp. One all-reduce over the mesh's ranks, divided by dp.
+
+    Args:
+        params: parameters with plain (not DTensor) .grad; under FSDP2 use `loss_scale` instead.
+        mesh: the (dp, cp) mesh, or mesh["cp"] to only sum over cp (when DDP already averages over a dp group).
+    """
     dp = mesh["dp"].size() if "dp" in mesh.mesh_dim_names else 1
     group = mesh._flatten().get_group() if mesh.ndim > 1 else mesh.get_group()
     grads = [p.grad for p in params if p.grad is not None]
