@@ -36,6 +36,10 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 
+# per-action extras that credit assignment reads (tree rollouts), gathered with the rewards
+GATHERED_EXTRAS = ("tree_node", "tree_depth", "step_index")
+
+
 def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
@@ -45,7 +49,7 @@ def check_parallel_config(cfg, world: int) -> None:
     by `mmrl validate CONFIG --nproc N`)."""
     if world <= 1:
         return
-    from mmrl.compose import policy_kind
+    from mmrl.config import policy_kind
 
     t, kind = cfg.train, policy_kind(cfg.model.policy)
     if t.parallel == "none":
@@ -167,28 +171,38 @@ class Distributed:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return bool(t.item())
 
+    def gather_padded(self, x: torch.Tensor, value=0) -> torch.Tensor:
+        """gather of [n_r, A_r] tensors whose widths differ by rank (token completions): right-padded with
+        `value` to the widest."""
+        width = self.max_int(x.shape[1])
+        return self.gather(torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value))
+
     def gather_rows(self, rollout, rewards: dict, valid: torch.Tensor):
         """Every rank's rows in the single-process order (by global group id; a group's rows stay in order), as
-        the advantages and the reward metrics read them: a Rollout of group ids, off-policy flags and categories (no
-        actions), the rewards [N] and the valid mask [N]; and this rank's positions in that order [n] and every
-        row's trained-action count [N] (the loss normalization)."""
+        credit assignment and the reward metrics read them: a Rollout of group ids, old log-probs, action masks,
+        off-policy flags, categories and the per-action bookkeeping extras of `GATHERED_EXTRAS` (no outputs, no
+        model inputs), the rewards [N] and the valid mask [N]; and this rank's positions in that order [n].
+        Padding rows (group id -1) are left out."""
         from mmrl.data import Rollout
 
+        real = rollout.group_id >= 0
+        if not real.all():
+            rollout, rewards, valid = rollout.select(real.nonzero().squeeze(-1)), \
+                {k: v[real] for k, v in rewards.items()}, valid[real]
         gid = self.gather(rollout.group_id)
         order = torch.sort(gid, stable=True).indices                          # rank order -> single-process order
         where = torch.empty_like(order)
         where[order] = torch.arange(len(order))
         off = sum(self.gather_list([len(rollout)])[:self.rank])
         local_rows = where[off:off + len(rollout)]
-        row_actions = self.gather((rollout.action_mask & valid.unsqueeze(-1)).sum(-1))[order]   # [N]
         cats = self.gather_list([e.get("category") for e in rollout.examples])
-        n = len(order)
-        everyone = Rollout(group_id=gid[order], old_log_prob=torch.zeros(n, 0),
-                           action_mask=torch.zeros(n, 0, dtype=torch.bool),
-                           examples=[{"category": cats[i]} for i in order.tolist()],
-                           outputs=None, is_offpolicy=self.gather(rollout.is_offpolicy)[order])
-        return everyone, {k: self.gather(v)[order] for k, v in rewards.items()}, self.gather(valid)[order], \
-            local_rows, row_actions
+        extras = {k: self.gather_padded(rollout.extras[k])[order] for k in GATHERED_EXTRAS
+                  if self.all_true(k in rollout.extras)}
+        everyone = Rollout(group_id=gid[order], old_log_prob=self.gather_padded(rollout.old_log_prob)[order],
+                           action_mask=self.gather_padded(rollout.action_mask, False)[order],
+                           examples=[{"category": cats[i]} for i in order.tolist()], outputs=None,
+                           extras=extras, is_offpolicy=self.gather(rollout.is_offpolicy)[order])
+        return everyone, {k: self.gather(v)[order] for k, v in rewards.items()}, self.gather(valid)[order], local_rows
 
     def mean_stats(self, stats: dict[str, list[float]]) -> dict[str, float]:
         """Every rank's per-pass statistics averaged over all ranks' passes (one set of numbers per run)."""
@@ -260,6 +274,13 @@ class Distributed:
                 else:
                     stack.enter_context(m.no_sync())
             yield
+
+    def reshard(self) -> None:
+        """FSDP2: free the gathered parameters a forward left behind (the root keeps them), so the next forward
+        gathers the shards as they are now (after an in-place change such as an EMA swap)."""
+        for m in self.wrapped:
+            if hasattr(m, "reshard"):
+                m.reshard()
 
     @contextlib.contextmanager
     def main_first(self):

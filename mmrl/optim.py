@@ -22,9 +22,12 @@ class EMA:
     """Exponential moving average of `params` (train.ema_decay): `update()` after each optimizer step;
     `swapped()` puts the averages in the parameters for evaluation and saving, and the raw weights back after."""
 
-    def __init__(self, params: list[torch.nn.Parameter], decay: float):
+    def __init__(self, params: list[torch.nn.Parameter], decay: float, after_swap=lambda: None):
         self.params, self.decay = params, decay
         self.shadow = [p.detach().clone() for p in params]
+        # FSDP2 keeps the root's parameters gathered after a forward: after_swap drops them (Distributed.reshard),
+        # else the next forward would run on the weights from before the swap
+        self.after_swap = after_swap
 
     @torch.no_grad()
     def update(self) -> None:
@@ -36,6 +39,7 @@ class EMA:
             tmp = p.detach().clone()
             p.copy_(e)
             e.copy_(tmp)
+        self.after_swap()
 
     @contextlib.contextmanager
     def swapped(self):

@@ -67,7 +67,7 @@ class Trainer:
         if not self.params:
             raise ValueError("the policy has no trainable parameters (check model.lora settings)")
         self.opt = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-        self.ema = EMA(self.params, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+        self.ema = EMA(self.params, cfg.train.ema_decay, self.dist.reshard) if cfg.train.ema_decay > 0 else None
         self.iteration = 0
         self.watch = SignalWatch(cfg.reward, cfg.task.name, cfg.train.zero_signal_patience)
         self.timed_evals: list[dict] = []
@@ -137,11 +137,10 @@ class Trainer:
             metrics.update({k: self.dist.mean_stats({k: [v]})[k] for k, v in stats.items()})
         local = (rollout, valid)
         if self.dist.world > 1:  # advantages need whole groups: every rank sees every row's reward, in order
-            rollout, rewards, valid, self._local_rows, self._row_actions = self.dist.gather_rows(rollout, rewards, valid)
+            rollout, rewards, valid, self._local_rows = self.dist.gather_rows(rollout, rewards, valid)
         if extra:
             extra = ((rollout.group_id, *extra),)
-        row_actions = self._row_actions if self.dist.world > 1 else rollout.action_mask.sum(-1)
-        metrics["rollout/actions_mean"] = row_actions.float().mean().item()  # tokens: completion length
+        metrics["rollout/actions_mean"] = rollout.action_mask.sum(-1).float().mean().item()  # tokens: completion length
         shaped = shaping(rewards["overall"], a, *extra)
         adv, adv_stats = self.credit({**rewards, "overall": shaped}, getattr(self.reward_fn, "weights", None), rollout,
                                      valid, cfg, it)  # [N] or [N, A] (tree rollouts: per transition)
@@ -155,13 +154,16 @@ class Trainer:
         metrics.update(per_category(rollout.examples, rewards["overall"], valid))
         overall = rewards["overall"]
         if self.dist.world > 1:  # back to this rank's rows (a padding row, group id -1, has none: zero advantage)
-            (rollout, valid) = local
-            real = rollout.group_id >= 0
-            valid = valid & real
-            rollout.action_mask &= valid.unsqueeze(-1)
+            everyone, (rollout, valid) = rollout, local
+            self._row_actions = everyone.action_mask.sum(-1)   # [N] the loss normalization (credit may mask actions)
+            real = (rollout.group_id >= 0).nonzero().squeeze(-1)
+            rows, width = self._local_rows, rollout.action_mask.shape[1]
+            rollout.action_mask = torch.zeros_like(rollout.action_mask)
+            rollout.action_mask[real] = everyone.action_mask[rows, :width]
             mine = torch.zeros((len(rollout), *adv.shape[1:]), dtype=adv.dtype)
-            mine[real], adv = adv[self._local_rows], mine
-            overall = torch.zeros(len(rollout)).index_put_((real.nonzero().squeeze(-1),), overall[self._local_rows])
+            mine[real] = adv[rows] if adv.dim() == 1 else adv[rows, :width]
+            adv = mine
+            overall = torch.zeros(len(rollout)).index_put_((real,), overall[rows])
         with self.timer("train"):
             metrics.update(self.optimize(rollout, adv))
         metrics.update(self.timer.pop())

@@ -128,15 +128,17 @@ class FlowPolicy(PolicyDefaults):
                     self._neg = self.model.negative(1)
         return self._neg[0].expand(n, -1, -1), self._neg[1].expand(n, -1)
 
-    def _velocity_fn(self, enc, pooled):
+    def _velocity_fn(self, enc, pooled, chunked: bool = True):
         """v(x [n, *D], sigma [n]) with the prompts' embeddings enc [n, L, D], pooled [n, P] and CFG; without
-        gradients it runs micro_batch rows per forward (CFG doubles them)."""
+        gradients it runs micro_batch rows per forward (CFG doubles them) when `chunked`. Training passes (log_prob,
+        the KL reference's included) are not chunked: the trainer's micro-batches bound them, and under FSDP every
+        rank must run the same forwards whatever its pass holds."""
         cfg = self.cfg.cfg_scale
 
         def one(x, s, e, p):
             return self.model.velocity(x, s, e, p, cfg, self._negative(len(x)) if cfg != 1.0 else None)
 
-        return lambda x, s: in_chunks(one, self.micro_batch, x, s, enc, pooled)
+        return lambda x, s: in_chunks(one, self.micro_batch if chunked else 0, x, s, enc, pooled)
 
     @torch.no_grad()
     def sample(self, examples: list[dict], group_size: int, generator: torch.Generator,
@@ -264,7 +266,8 @@ class FlowPolicy(PolicyDefaults):
         pick = lambda t: t[rows, cols]                                # [n, A, ...] -> [k, ...]
         place = lambda base, val: base.index_put((rows, cols), val)   # [k, ...] into [n, A, ...], differentiable
         old = rollout.old_log_prob[index].to(self.device)
-        v = self._velocity_fn(e["enc"][rows], e["pooled"][rows])(pick(e["latents"]), pick(e["sigma"])).float()
+        v = self._velocity_fn(e["enc"][rows], e["pooled"][rows], chunked=False)(pick(e["latents"]),
+                                                                                pick(e["sigma"])).float()
         if self.objective == "forward":  # the negative flow-matching loss of each noise level (§10)
             lp = -(v - pick(e["target"])).pow(2).flatten(1).mean(1)
             return PolicyOutput(place(old, lp), {"velocity": place(e["old_velocity"], v), "sigma": e["sigma"],

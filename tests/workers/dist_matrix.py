@@ -1,0 +1,85 @@
+"""Worker for tests/test_distributed.py's feature matrix: for each named feature set, a fresh trainer on a tiny flow
+model runs k steps (3 prompts x 4 samples, 2 minibatches), in one process or under torchrun, and rank 0 writes
+OUT/FEATURE.safetensors (the trained parameters, whole) and OUT/FEATURE.json (the last step's metrics).
+
+    python tests/workers/dist_matrix.py MODEL OUT --parallel none|ddp|fsdp --features plain,micro,... [--steps K]
+
+One launch runs every feature (a process group is set up once): the matrix costs three launches, not thirty.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+PAIRWISE = ["reward.name=pairwise", "reward.kwargs={judge: score, judge_kwargs: {reward: shapes}}",
+            "reward.eval_name=shapes"]
+FEATURES = {
+    "plain": [],
+    "micro": ["train.micro_batch=2"],                                     # transitions per training forward
+    "tree": ["tree.split_steps=[1,2]", "tree.branch=2", "algo.loss_agg=token_mean"],  # BranchGRPO: 4 leaves
+    "tree_pruned": ["tree.split_steps=[1,2]", "tree.branch=2", "tree.width_prune=1", "algo.loss_agg=token_mean"],
+    "dynamic": ["algo.dynamic_sampling=true", "algo.dynamic_sampling_tries=2"],
+    "workers": ["reward.workers=1", "reward.overlap_chunks=2"],
+    "pairwise": PAIRWISE,
+    "nft": ["algo.policy_loss=nft", "sampler.kind=ode"],
+    "awm": ["algo.policy_loss=awm"],
+    "flash": ["sampler.sde_window_size=2", "sampler.sde_window_range=[0,2]", "sampler.window_schedule=sliding",
+              "sampler.ode_solver=dpm2m", "sampler.ode_stride=2"],
+    "ema_kl": ["train.ema_decay=0.5", "algo.kl_coef=0.1", "algo.kl_reference=ema", "model.reference=auto"],
+    "lora": ["model.lora.enabled=true", "model.lora.rank=4"],
+    # every feature at once, in the two combinations the config allows (trees sample in one pass: no reward workers)
+    "all_tree": ["train.micro_batch=2", "tree.split_steps=[1,2]", "tree.branch=2", "algo.loss_agg=token_mean",
+                 "algo.dynamic_sampling=true", "algo.dynamic_sampling_tries=2", *PAIRWISE, "train.ema_decay=0.5",
+                 "algo.kl_coef=0.1", "algo.kl_reference=ema", "model.reference=auto", "model.lora.enabled=true",
+                 "model.lora.rank=4"],
+    "all_chain": ["train.micro_batch=2", "algo.dynamic_sampling=true", "algo.dynamic_sampling_tries=2",
+                  "reward.workers=1", "reward.overlap_chunks=2", *PAIRWISE, "train.ema_decay=0.5", "algo.kl_coef=0.1",
+                  "algo.kl_reference=ema", "model.reference=auto", "model.lora.enabled=true", "model.lora.rank=4"],
+}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--parallel", default="none")
+    p.add_argument("--features", default="plain")
+    p.add_argument("--steps", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    from safetensors.torch import save_file
+
+    from mmrl.compose import load_config
+    from mmrl.distributed import gather_to
+    from mmrl.trainer import Trainer
+
+    os.makedirs(args.out, exist_ok=True)
+    tr = None
+    for name in args.features.split(","):
+        cfg = load_config(os.path.join(ROOT, "configs/tiny/flow_smoke.yaml"), [
+            f"model.path={args.model}", f"log.out_dir={args.out}/run-{name}-{args.parallel}", "log.tensorboard=false",
+            "log.eval_at_start=false", f"train.parallel={args.parallel}", "model.reference=none",
+            "train.minibatches=2", "train.prompts_per_iter=3", "train.group_size=4", *FEATURES[name]])
+        tr = Trainer(cfg)
+        for it in range(args.steps):
+            tr.iteration = it  # as Trainer.fit does
+            m = tr.step(it)
+        tr.dist.check_in_sync(tr.params)
+        params = gather_to(tr.dist.main, tr.params)
+        if tr.dist.main:
+            save_file({f"p{i}": q.contiguous() for i, q in enumerate(params)}, os.path.join(args.out, f"{name}.safetensors"))
+            with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+                json.dump(m, f)
+            print(f"{name}: world {tr.dist.world} reward {m['reward/overall_mean']:.4f} loss {m['train/loss']:.6f}",
+                  flush=True)
+    tr.dist.close()
+
+
+if __name__ == "__main__":
+    main()
