@@ -154,10 +154,10 @@ def _flow_model(cfg, arch: dict | None):
         cls, pipe = tcfg["_class_name"], json.load(open(os.path.join(cfg.model.path, "model_index.json")))
         config = {k: v for k, v in tcfg.items() if not k.startswith("_")}
         text_tokens = _text_tokens(cfg.model.path, pipe["_class_name"])
-        coords = pipe.get("coordinates", False)
+        coords, pixel_frames, pixel_size = pipe.get("coordinates", False), pipe.get("frames", 0), pipe.get("sample_size")
         experts = 2 if (pipe.get("transformer_2") or [None])[0] and pipe.get("boundary_ratio") else 1
     else:
-        cls, config, text_tokens, coords = arch["class"], arch["config"], arch["text_tokens"], False
+        cls, config, text_tokens, coords, pixel_frames = arch["class"], arch["config"], arch["text_tokens"], False, 0
         experts = arch.get("experts", 1)
     with torch.device("meta"):
         tr = getattr(diffusers, cls).from_config(config)
@@ -171,10 +171,11 @@ def _flow_model(cfg, arch: dict | None):
         size = cfg.model.sample_size or 128
         return tr, P.qwen_image_call, (c.out_channels, size, size), text_tokens, c.joint_attention_dim, text_tokens
     if cls == "WanTransformer3DModel":
+        if pixel_frames:  # mmrl's pixel video model: its clip size, no VAE compression
+            return tr, P.wan_coord_call if coords else P.wan_call, \
+                (c.in_channels - (3 if coords else 0), pixel_frames, pixel_size, pixel_size), text_tokens, c.text_dim, 0
         size, frames = cfg.model.sample_size or 60, cfg.model.num_frames or 81
-        ch = c.in_channels - (3 if coords else 0)
-        return tr, P.wan_coord_call if coords else P.wan_call, (ch, (frames - 1) // 4 + 1, size, size), \
-            text_tokens, c.text_dim, 0
+        return tr, P.wan_call, (c.in_channels, (frames - 1) // 4 + 1, size, size), text_tokens, c.text_dim, 0
     size = cfg.model.sample_size or c.sample_size
     return tr, P.sd3_call, (c.in_channels, size, size), text_tokens, c.joint_attention_dim, c.pooled_projection_dim
 
