@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mmrl.config import policy_kind
+from mmrl.config import policy_kind, sample_chunk
 from mmrl.models.architectures import ARCHITECTURES
 
 GiB = 2**30
@@ -370,7 +370,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
     n_rows = t.prompts_per_iter * t.group_size
     rank_rows = -(-t.prompts_per_iter // world) * t.group_size   # the most rows one rank samples
     mean_rows, share, share_max = rank_share(n_rows, rank_rows, n_rows // t.minibatches)
-    chunk = t.micro_batch if getattr(t, "sample_chunk", -1) < 0 else t.sample_chunk  # rows per no-grad forward
+    chunk = sample_chunk(t)  # rows per forward without gradients (sampling, VAE decoding)
     dtype = _DTYPES[cfg.model.dtype]
     text, vae, decode, out_bytes, stored, chain, cache = [], None, 0, 0, 0, 0, 0
     if policy_kind(cfg.model.policy) is None:
