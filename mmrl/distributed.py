@@ -204,15 +204,15 @@ class Distributed:
                            extras=extras, is_offpolicy=self.gather(rollout.is_offpolicy)[order])
         return everyone, {k: self.gather(v)[order] for k, v in rewards.items()}, self.gather(valid)[order], local_rows
 
-    def mean_stats(self, stats: dict[str, list[float]]) -> dict[str, float]:
-        """Every rank's per-pass statistics averaged over all ranks' passes (one set of numbers per run)."""
-        local = {k: (sum(v), len(v)) for k, v in stats.items()}
+    def mean_stats(self, stats: dict[str, list[tuple[float, int]]]) -> dict[str, float]:
+        """Statistics kept as (sum, count) pairs, summed over every rank's pairs: sum / count (one set of numbers
+        per run, the single-process one)."""
         merged: dict[str, list] = {}
-        for part in self.gather_list([local]):
-            for k, (s, c) in part.items():
+        for part in self.gather_list([{k: (sum(x for x, _ in v), sum(c for _, c in v)) for k, v in stats.items()}]):
+            for k, (x, c) in part.items():
                 m = merged.setdefault(k, [0.0, 0])
-                m[0], m[1] = m[0] + s, m[1] + c
-        return {k: s / c for k, (s, c) in sorted(merged.items()) if c}
+                m[0], m[1] = m[0] + x, m[1] + c
+        return {k: x / c if c else 0.0 for k, (x, c) in sorted(merged.items())}
 
     def check_in_sync(self, params: list[torch.Tensor], what: str = "parameters") -> None:
         """Raise if this rank's replicated parameters differ from rank 0's. A checksum and a position-weighted

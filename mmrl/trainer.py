@@ -134,7 +134,7 @@ class Trainer:
             real = rollout.select((rollout.group_id >= 0).nonzero().squeeze(-1))  # this rank's whole groups
             (_, c_reward, c_gid), stats = contrast_rollout(sample, self.reward, real, t.group_size, seed)
             extra = (self.dist.gather(c_reward), self.dist.gather(c_gid))
-            metrics.update({k: self.dist.mean_stats({k: [v]})[k] for k, v in stats.items()})
+            metrics.update(self.dist.mean_stats({k: [(v * len(c_reward), len(c_reward))] for k, v in stats.items()}))
         local = (rollout, valid)
         if self.dist.world > 1:  # advantages need whole groups: every rank sees every row's reward, in order
             rollout, rewards, valid, self._local_rows = self.dist.gather_rows(rollout, rewards, valid)
@@ -276,14 +276,18 @@ class Trainer:
                     if len(mine) else []
                 passes = self.dist.max_int(len(parts))             # every rank joins the same collectives
                 syncs = (m + 1) % t.grad_accum == 0
+                loss = 0.0
                 for j in range(passes):
                     # a rank with fewer passes runs zero-weighted ones on its first row
                     part, actions, weight = (*parts[j], 1.0) if j < len(parts) else (torch.tensor([0]), None, 0.0)
                     with self.dist.no_sync(not (syncs and j == passes - 1)):
-                        self._accumulate(rollout, part, actions, adv, n_step, a_step, weight, steps, stats, ratios)
+                        loss += self._accumulate(rollout, part, actions, adv, n_step, a_step, weight, steps, stats,
+                                                 ratios)
+                # the minibatch's loss: the ranks' parts add up to it (each is normalized by the global counts / w)
+                stats.setdefault("loss", []).append((loss / w, int(self.dist.main)))
                 if syncs:
                     stats.setdefault("grad_norm", []).append(
-                        full(torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm)).item())
+                        (full(torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm)).item(), 1))
                     self.opt.step()
                     self.opt.zero_grad(set_to_none=True)
                     if self.ema is not None:
@@ -343,23 +347,24 @@ class Trainer:
             inj = mb.is_offpolicy[:, None] & part  # [n, A]
             loss_a = loss_a - a.sft_coef * out.log_prob * inj
             if inj.any() and weight:
-                stats.setdefault("sft_nll", []).append(-out.log_prob.detach()[inj].mean().item())
+                stats.setdefault("sft_nll", []).append((-out.log_prob.detach()[inj].sum().item(), int(inj.sum())))
         loss = LOSS_AGG[a.loss_agg](loss_a * part, mask, n_step, a_step) * weight
         loss.backward()
         if not weight:  # a padding pass: no statistics
-            return
+            return 0.0
+        # statistics as (sum, count) over this part's actions: every rank's parts add up to one set of numbers
+        count = int(part.sum())
+        add = lambda k, v: stats.setdefault(k, []).append((v.detach()[part].float().sum().item(), count))  # noqa: E731
         if not steps:  # the rollout's log-probs against the trainer's, same weights: 0 unless they disagree
-            dev_ = (torch.exp(out.log_prob.detach() - mb.old_log_prob) - 1).abs()
-            stats.setdefault("first_ratio_dev", []).append(dev_[part].mean().item() if part.any() else 0.0)
+            add("first_ratio_dev", (torch.exp(out.log_prob.detach() - mb.old_log_prob) - 1).abs())
         for k, v in s.items():
-            stats.setdefault(k, []).append(v[part].float().mean().item() if part.any() else 0.0)
-        stats.setdefault("approx_kl", []).append(
-            (0.5 * (out.log_prob.detach() - mb.old_log_prob) ** 2)[part].mean().item() if part.any() else 0.0)
-        stats.setdefault("loss", []).append(loss.item())
+            add(k, v)
+        add("approx_kl", 0.5 * (out.log_prob.detach() - mb.old_log_prob) ** 2)
         for k, v in out.stats.items():  # per-action policy statistics, e.g. token entropy
-            if v.shape == out.log_prob.shape and part.any():
-                stats.setdefault(f"policy_{k}", []).append(v.detach()[part].float().mean().item())
+            if v.shape == out.log_prob.shape:
+                add(f"policy_{k}", v)
         ratios.append(((s["ratio"] * part).sum(0), part.sum(0)))
+        return loss.item()
 
     # -------------------------------------------------------------------------------------------- helpers
     def ema_weights(self):

@@ -1,6 +1,7 @@
 """Several processes (gloo on CPU): DDP and FSDP2 runs end where a single process with the same global batch
 ends; ranks that drift apart are caught; a row is the same whichever process samples it."""
 
+import json
 import os
 import subprocess
 import sys
@@ -83,12 +84,71 @@ def test_ranks_that_drift_apart_are_caught(tiny_pixel_model, tmp_path):
     assert r.returncode != 0 and "ranks are out of sync" in r.stdout
 
 
-def test_micro_batches_refused_with_several_processes(tiny_pixel_model, tmp_path):
-    """Ranks could run different numbers of micro-batch backward passes, and DDP / FSDP collectives would hang:
-    refused at start instead."""
-    r = run(tiny_pixel_model, str(tmp_path / "x.safetensors"), "--parallel", "ddp", "--steps", "1",
-            "--set", "train.micro_batch=2", procs=2)
-    assert r.returncode != 0 and "train.micro_batch or contrast shapings (tgrpo) yet" in r.stderr
+MATRIX = os.path.join(ROOT, "tests/workers/dist_matrix.py")
+FEATURES = "plain,micro,tree,tree_pruned,dynamic,workers,pairwise,nft,awm,flash,ema_kl,lora,all_tree,all_chain"
+
+
+def run_matrix(model, out, parallel, features=FEATURES, procs=2, *extra):
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] \
+        if procs > 1 else [sys.executable]
+    r = subprocess.run([*launch, MATRIX, model, str(out), "--parallel", parallel, "--features", features, *extra],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def max_diff(a: str, b: str) -> float:
+    x, y = load_file(a), load_file(b)
+    assert x.keys() == y.keys()
+    return max((x[k] - y[k]).abs().max().item() for k in x)
+
+
+def test_every_feature_ends_where_one_process_ends(tiny_pixel_model, tmp_path):
+    """Each feature set of tests/workers/dist_matrix.py (micro-batches, BranchGRPO trees with pruning, DAPO dynamic
+    sampling, reward overlap workers, Pref-GRPO pairwise rewards, NFT, AWM, MixGRPO-Flash, EMA + KL to the EMA,
+    LoRA, and all of them at once) trains 2 iterations of 3 prompts x 4 samples (a rank holds 1 group, the other
+    2): DDP and FSDP2 on 2 processes end with the single-process parameters (fp32; 1e-6 allows reduction order)."""
+    run_matrix(tiny_pixel_model, tmp_path / "none", "none", procs=1)
+    for mode in ("ddp", "fsdp"):
+        run_matrix(tiny_pixel_model, tmp_path / mode, mode)
+        for f in FEATURES.split(","):
+            d = max_diff(tmp_path / "none" / f"{f}.safetensors", tmp_path / mode / f"{f}.safetensors")
+            assert d < 1e-6, f"{mode} {f}: parameters differ from one process by {d}"
+    # one run, one set of numbers: statistics are every rank's, so they equal the single-process ones
+    one, two = (json.load(open(tmp_path / m / "pairwise.json")) for m in ("none", "ddp"))
+    assert two["reward/overall_mean"] == pytest.approx(one["reward/overall_mean"])
+    # (the on-policy loss itself is ~1e-6 of float noise around 0; the gradient norm is not)
+    assert two["train/grad_norm"] == pytest.approx(one["train/grad_norm"], rel=1e-3)
+    assert two["train/clip_frac"] == pytest.approx(one["train/clip_frac"])
+
+
+def test_collectives_run_without_a_cpu_backend_on_the_default_group(tiny_pixel_model, tiny_vl, tiny_world, tmp_path):
+    """NCCL has no CPU backend. With the default group made by init_process_group("cuda:gloo") (a raw collective
+    on a CPU tensor then fails as on NCCL; the worker checks it does), training, the sharded evaluation, a save and
+    the sync check run: mmrl's bookkeeping travels on its own CPU group. The evaluation equals one process's."""
+    run_matrix(tiny_pixel_model, tmp_path / "one", "none", "ema_kl", 1, "--eval")
+    for mode in ("ddp", "fsdp"):
+        run_matrix(tiny_pixel_model, tmp_path / mode, mode, "ema_kl", 2, "--eval", "--save", "--nccl-like")
+        assert max_diff(tmp_path / "one" / "ema_kl.safetensors", tmp_path / mode / "ema_kl.safetensors") < 1e-6
+        one, two = (json.load(open(tmp_path / m / "ema_kl.json")) for m in ("one", mode))
+        evals = {k: v for k, v in one.items() if k.startswith("eval/")}
+        assert evals and all(two[k] == pytest.approx(v, abs=1e-4) for k, v in evals.items()), (evals, two)
+    # the token policy under FSDP: decoding in lockstep (all_done) and padded scoring forwards on the CPU group
+    r = run(tiny_vl, str(tmp_path / "vl.safetensors"), "--parallel", "fsdp", "--steps", "1", "--world", tiny_world,
+            "--save", "--nccl-like", procs=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_several_processes_refuse_what_they_cannot_run_before_loading(tmp_path):
+    from mmrl.compose import load_config
+    from mmrl.distributed import check_parallel_config
+
+    cfg = load_config("configs/tiny/flow_smoke.yaml", ["model.path=/nonexistent", "train.parallel=ddp"])
+    check_parallel_config(cfg, 2)  # 2 groups for 2 processes: fine, and nothing was loaded
+    with pytest.raises(ValueError, match="train.prompts_per_iter >= 4"):
+        check_parallel_config(cfg, 4)
+    with pytest.raises(ValueError, match="train.parallel=ddp .* or fsdp"):
+        check_parallel_config(load_config("configs/tiny/flow_smoke.yaml", []), 2)
 
 
 def test_a_launched_process_without_parallel_refuses(monkeypatch):

@@ -3,6 +3,7 @@ model runs k steps (3 prompts x 4 samples, 2 minibatches), in one process or und
 OUT/FEATURE.safetensors (the trained parameters, whole) and OUT/FEATURE.json (the last step's metrics).
 
     python tests/workers/dist_matrix.py MODEL OUT --parallel none|ddp|fsdp --features plain,micro,... [--steps K]
+        [--nccl-like]   (the default group made with init_process_group("cuda:gloo"): no CPU backend, as NCCL)
 
 One launch runs every feature (a process group is set up once): the matrix costs three launches, not thirty.
 """
@@ -51,8 +52,21 @@ def main():
     p.add_argument("--parallel", default="none")
     p.add_argument("--features", default="plain")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--eval", action="store_true", help="then the held-out evaluation (sharded over the ranks)")
+    p.add_argument("--save", action="store_true", help="then a checkpoint (FSDP: gathered on rank 0)")
+    p.add_argument("--nccl-like", action="store_true", help="the default process group has no CPU backend, as NCCL: "
+                                                            "a collective on a CPU tensor outside mmrl's own groups fails")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.nccl_like:
+        import torch.distributed as dist
+
+        dist.init_process_group("cuda:gloo")
+        try:
+            dist.all_reduce(torch.zeros(1))
+            raise SystemExit("the cuda:gloo group accepted a CPU tensor: it does not stand for NCCL")
+        except RuntimeError as e:
+            assert "No backend type associated with device type cpu" in str(e), e
     from safetensors.torch import save_file
 
     from mmrl.compose import load_config
@@ -70,6 +84,11 @@ def main():
         for it in range(args.steps):
             tr.iteration = it  # as Trainer.fit does
             m = tr.step(it)
+        if args.eval:
+            m = {**m, **{f"eval/{k}": v for k, v in tr.evaluate(args.steps).items() if k != "per_category"}}
+        if args.save:
+            tr.iteration = args.steps
+            tr.save()
         tr.dist.check_in_sync(tr.params)
         params = gather_to(tr.dist.main, tr.params)
         if tr.dist.main:

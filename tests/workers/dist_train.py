@@ -27,8 +27,13 @@ def main():
     p.add_argument("--resume-at", type=int, default=0, help="save after this many steps, resume in a new trainer")
     p.add_argument("--world", default=None, help="token policy: MODEL is a tiny Qwen-VL, WORLD a grounding world")
     p.add_argument("--set", nargs="*", default=[], help="more config overrides (section.key=value)")
+    p.add_argument("--nccl-like", action="store_true", help="default process group without a CPU backend, as NCCL")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.nccl_like:
+        import torch.distributed as dist
+
+        dist.init_process_group("cuda:gloo")
     from safetensors.torch import save_file
 
     from mmrl.compose import load_config
