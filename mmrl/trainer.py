@@ -17,22 +17,21 @@ import logging
 import os
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm import tqdm
 
 from mmrl import checkpoint as ckpt
 from mmrl import compose
-from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS_AGG, OFFPOLICY, POLICY_LOSSES,
+from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES,
                              RATIO_TRANSFORMS, REWARD_SHAPINGS, WEIGHTINGS)
-from mmrl.algorithms.advantages import group_stats
 from mmrl.algorithms.offpolicy import injection_diagnostics
 from mmrl.config import Config, sample_chunk
 from mmrl.data import Rollout, micro_batches
 from mmrl.distributed import Distributed, check_parallel_config, full
 from mmrl.evaluation import evaluate_outputs
 from mmrl.metrics import Logger, SignalWatch, Timer, per_category
+from mmrl.rollout.collect import Collector
 from mmrl.rollout.contrast import contrast_rollout
 from mmrl.optim import EMA, lr_scale
 from mmrl.reward import RewardRunner
@@ -62,7 +61,6 @@ class Trainer:
             compose.build_reward(cfg.reward.eval_name, cfg.reward.eval_kwargs, "reward.eval"), cfg.reward.on_error,
             sample_chunk(cfg.train))
         self.credit = CREDIT_ASSIGNMENTS[compose.credit_name(cfg)]
-        self.reward_pool = ThreadPoolExecutor(cfg.reward.workers, "reward") if cfg.reward.workers else None
         self.params = list(self.policy.trainable_parameters())
         if not self.params:
             raise ValueError("the policy has no trainable parameters (check model.lora settings)")
@@ -78,6 +76,7 @@ class Trainer:
         self.policy.defer_old_log_prob = cfg.train.minibatches == cfg.train.grad_accum
         self.logger = Logger(cfg.log.out_dir, cfg.log.tensorboard, enabled=self.dist.main)
         self.timer = Timer()
+        self.collect = Collector(cfg, self.policy, self.task, self.reward, self.dist, self.timer)
 
     # ------------------------------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -118,8 +117,7 @@ class Trainer:
             with open(os.path.join(cfg.log.out_dir, "results.json"), "w") as f:
                 json.dump(results, f, indent=2)
         self.logger.close()
-        if self.reward_pool is not None:
-            self.reward_pool.shutdown()
+        self.collect.close()
         return results
 
     def step(self, it: int) -> dict:
@@ -127,7 +125,7 @@ class Trainer:
         seed = t.seed * 1_000_003 + it  # per-iteration seeds: resuming needs no RNG state
         torch.manual_seed(seed)
         self.policy.iteration = it  # schedules that move with training (sampler.window_schedule=sliding)
-        rollout, rewards, valid, metrics = self._collect(random.Random(seed), torch.Generator().manual_seed(seed))
+        rollout, rewards, valid, metrics = self.collect(random.Random(seed), torch.Generator().manual_seed(seed))
         shaping, extra = REWARD_SHAPINGS[a.reward_shaping], ()
         if getattr(shaping, "needs_contrast", False):  # e.g. T-GRPO: the same prompts with shuffled frames
             sample = lambda ex, g: self.policy.sample(ex, g, torch.Generator().manual_seed(seed + 1))  # noqa: E731
@@ -170,78 +168,6 @@ class Trainer:
         if cfg.log.image_every and it % cfg.log.image_every == 0:  # rank 0's rows
             self.logger.samples(it, rollout.outputs, rollout.examples, overall, t.group_size)
         return metrics
-
-    def _collect(self, rng: random.Random, gen: torch.Generator):
-        """Sample B groups and score them: this rank's whole groups, with global group ids. With
-        algo.dynamic_sampling (DAPO), groups whose rewards have zero std are replaced by freshly sampled ones for up
-        to dynamic_sampling_tries extra rounds (zero-std groups fill what is still missing, so the batch always
-        holds B groups). The choice is made from every rank's groups in the single-process order, so every rank
-        takes the same decision; a rank left without a chosen group keeps one padding row (group id -1, never
-        trained, never counted)."""
-        t, a = self.cfg.train, self.cfg.algo
-        rounds = 1 + (a.dynamic_sampling_tries if a.dynamic_sampling else 0)
-        good, spare, parts, failures = [], [], {}, 0
-        for r in range(rounds):
-            need = t.prompts_per_iter - len(good)
-            if need <= 0:
-                break
-            rollout, rewards, valid, fails = self._sample_and_score(self.task.sample(need, rng), gen)
-            failures += fails
-            if not a.dynamic_sampling:
-                return rollout, rewards, valid, {"reward/failed_samples": self._total(fails)}
-            _, std, _ = group_stats(rewards["overall"], rollout.group_id, valid)
-            mine = []
-            for g in torch.unique(rollout.group_id).tolist():
-                rows = (rollout.group_id == g).nonzero().squeeze(-1)
-                parts[(r, g)] = (rollout.select(rows), {k: v[rows] for k, v in rewards.items()}, valid[rows])
-                mine.append((g, bool(std[rows].max() > 1e-8)))
-            for g, informative in sorted(self.dist.gather_list(mine)):  # every rank's groups, in order
-                (good if informative else spare).append((r, g))
-        n_good = len(good)
-        chosen = [(k, parts[key]) for k, key in enumerate((good + spare)[:t.prompts_per_iter]) if key in parts]
-        if not chosen:  # padding: one row of this rank's last sample, masked out
-            ro, rw, v = parts[max(parts)]
-            chosen = [(-1, (ro.select(torch.tensor([0])), {k: x[:1] for k, x in rw.items()}, v[:1] & False))]
-        rollout = Rollout.concat([p[0] for _, p in chosen])
-        rollout.group_id = torch.cat([torch.full((len(p[0]),), k) for k, p in chosen])   # global ids
-        rewards = {k: torch.cat([p[1][k] for _, p in chosen]) for k in chosen[0][1][1]}
-        valid = torch.cat([p[2] for _, p in chosen])
-        return rollout, rewards, valid, {"reward/failed_samples": self._total(failures), "dynamic/rounds": r + 1,
-                                         "dynamic/informative_groups": min(n_good, t.prompts_per_iter)}
-
-    def _total(self, n: int) -> int:
-        """The sum of every rank's n."""
-        return sum(self.dist.gather_list([n]))
-
-    def _sample_and_score(self, examples: list[dict], gen: torch.Generator):
-        """Sample a group per example and score it (this rank's groups; group ids are the examples' indices).
-        With reward.workers > 0 the examples are sampled in reward.overlap_chunks chunks, and each chunk is scored
-        in the thread pool while the next one samples (a remote reward then runs fully in parallel); the chunks
-        are joined in order, each sharded over the ranks like a whole batch."""
-        a, r = self.cfg.algo, self.cfg.reward
-
-        def sample(chunk, first_group):  # sampling computes like the training forward (bf16 under mixed precision)
-            with self.timer("rollout"), self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
-                rollout = self.dist.sample(self.policy, chunk, self.cfg.train.group_size, gen, first_group)
-                return OFFPOLICY[a.offpolicy](self.policy, rollout, self.task)[0]
-
-        if self.reward_pool is None:
-            rollout = sample(examples, 0)
-            with self.timer("reward"):
-                return (rollout, *self.reward(rollout.outputs, rollout.examples, rollout.group_id))
-        k = min(r.overlap_chunks, len(examples))
-        bounds = [len(examples) * c // k for c in range(k + 1)]
-        parts = []
-        for c in range(k):
-            ro = sample(examples[bounds[c]:bounds[c + 1]], bounds[c])
-            parts.append((ro, self.reward_pool.submit(self.reward, ro.outputs, ro.examples, ro.group_id)))
-        with self.timer("reward_wait"):  # the reward time not hidden behind sampling
-            scored = [(ro, f.result()) for ro, f in parts if len(ro)]
-        rollout = Rollout.concat([ro for ro, _ in scored])
-        rollout.group_id = torch.cat([ro.group_id for ro, _ in scored])  # global ids, not renumbered
-        keys = set.intersection(*(set(s[0]) for _, s in scored))  # a per-sample retry may drop component keys
-        rewards = {key: torch.cat([s[0][key] for _, s in scored]) for key in sorted(keys)}
-        return rollout, rewards, torch.cat([s[1] for _, s in scored]), sum(s[2] for _, s in scored)
 
     def optimize(self, rollout: Rollout, adv: torch.Tensor) -> dict:
         if self.dist.world > 1:

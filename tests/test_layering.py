@@ -15,13 +15,15 @@ LAYERS = [
     # 0 leaves: import nothing from mmrl
     ["mmrl", "mmrl.registry", "mmrl.config", "mmrl.cache", "mmrl.data", "mmrl.metrics", "mmrl.optim", "mmrl.testing",
      "mmrl.testing.fake_device", "mmrl.models", "mmrl.models.architectures", "mmrl.models.pixel_t2i",
-     "mmrl.models.qwen_vl", "mmrl.models.tiny_pipelines", "mmrl.sampling.*", "mmrl.rollout", "mmrl.rollout.engine"],
+     "mmrl.models.qwen_vl", "mmrl.models.tiny_pipelines", "mmrl.sampling.*", "mmrl.rollout", "mmrl.rollout.engine",
+     "mmrl.context_parallel"],
     # 1 building blocks: algorithms, models, samplers, rollout engines
     ["mmrl.video", "mmrl.algorithms.*", "mmrl.models.flow_model", "mmrl.models.pipelines", "mmrl.rollout.vllm_engine",
      "mmrl.rollout.contrast",
      "mmrl.rollout.tree"],
     # 2 the interfaces and their registries
-    ["mmrl.policy.*", "mmrl.reward", "mmrl.task", "mmrl.rollout.pairwise", "mmrl.distributed", "mmrl.evaluation"],
+    ["mmrl.policy.*", "mmrl.reward", "mmrl.task", "mmrl.rollout.pairwise", "mmrl.distributed", "mmrl.evaluation",
+     "mmrl.rollout.collect"],
     # 3 plugins: the built-in rewards and tasks, which mmrl reaches only through registry strings
     ["rewards.*", "tasks.*"],
     # 4 composition: config names -> objects; checkpoint files

@@ -1,0 +1,101 @@
+"""One iteration's rollout: this rank's whole groups sampled and scored, with global group ids (several processes:
+mmrl/distributed.py). DAPO dynamic sampling decides from every rank's groups, so all ranks decide alike; reward
+overlap workers score a chunk while the next one samples.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from mmrl.algorithms import OFFPOLICY
+from mmrl.algorithms.advantages import group_stats
+from mmrl.data import Rollout
+
+
+class Collector:
+    """`collector(rng, gen) -> (rollout, rewards, valid, metrics)`: B groups of the task's prompts (this rank's share),
+    sampled by the policy and scored by the reward runner."""
+
+    def __init__(self, cfg, policy, task, reward, dist, timer):
+        self.cfg, self.policy, self.task, self.reward, self.dist, self.timer = cfg, policy, task, reward, dist, timer
+        self.reward_pool = ThreadPoolExecutor(cfg.reward.workers, "reward") if cfg.reward.workers else None
+
+    def close(self) -> None:
+        if self.reward_pool is not None:
+            self.reward_pool.shutdown()
+
+    def __call__(self, rng: random.Random, gen: torch.Generator):
+        """Sample B groups and score them: this rank's whole groups, with global group ids. With
+        algo.dynamic_sampling (DAPO), groups whose rewards have zero std are replaced by freshly sampled ones for up
+        to dynamic_sampling_tries extra rounds (zero-std groups fill what is still missing, so the batch always
+        holds B groups). The choice is made from every rank's groups in the single-process order, so every rank
+        takes the same decision; a rank left without a chosen group keeps one padding row (group id -1, never
+        trained, never counted)."""
+        t, a = self.cfg.train, self.cfg.algo
+        rounds = 1 + (a.dynamic_sampling_tries if a.dynamic_sampling else 0)
+        good, spare, parts, failures = [], [], {}, 0
+        for r in range(rounds):
+            need = t.prompts_per_iter - len(good)
+            if need <= 0:
+                break
+            rollout, rewards, valid, fails = self.sample_and_score(self.task.sample(need, rng), gen)
+            failures += fails
+            if not a.dynamic_sampling:
+                return rollout, rewards, valid, {"reward/failed_samples": self.total(fails)}
+            _, std, _ = group_stats(rewards["overall"], rollout.group_id, valid)
+            mine = []
+            for g in torch.unique(rollout.group_id).tolist():
+                rows = (rollout.group_id == g).nonzero().squeeze(-1)
+                parts[(r, g)] = (rollout.select(rows), {k: v[rows] for k, v in rewards.items()}, valid[rows])
+                mine.append((g, bool(std[rows].max() > 1e-8)))
+            for g, informative in sorted(self.dist.gather_list(mine)):  # every rank's groups, in order
+                (good if informative else spare).append((r, g))
+        n_good = len(good)
+        chosen = [(k, parts[key]) for k, key in enumerate((good + spare)[:t.prompts_per_iter]) if key in parts]
+        if not chosen:  # padding: one row of this rank's last sample, masked out
+            ro, rw, v = parts[max(parts)]
+            chosen = [(-1, (ro.select(torch.tensor([0])), {k: x[:1] for k, x in rw.items()}, v[:1] & False))]
+        rollout = Rollout.concat([p[0] for _, p in chosen])
+        rollout.group_id = torch.cat([torch.full((len(p[0]),), k) for k, p in chosen])   # global ids
+        rewards = {k: torch.cat([p[1][k] for _, p in chosen]) for k in chosen[0][1][1]}
+        valid = torch.cat([p[2] for _, p in chosen])
+        return rollout, rewards, valid, {"reward/failed_samples": self.total(failures), "dynamic/rounds": r + 1,
+                                         "dynamic/informative_groups": min(n_good, t.prompts_per_iter)}
+
+    def total(self, n: int) -> int:
+        """The sum of every rank's n."""
+        return sum(self.dist.gather_list([n]))
+
+    def sample_and_score(self, examples: list[dict], gen: torch.Generator):
+        """Sample a group per example and score it (this rank's groups; group ids are the examples' indices).
+        With reward.workers > 0 the examples are sampled in reward.overlap_chunks chunks, and each chunk is scored
+        in the thread pool while the next one samples (a remote reward then runs fully in parallel); the chunks
+        are joined in order, each sharded over the ranks like a whole batch."""
+        a, r = self.cfg.algo, self.cfg.reward
+
+        def sample(chunk, first_group):  # sampling computes like the training forward (bf16 under mixed precision)
+            with self.timer("rollout"), self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
+                rollout = self.dist.sample(self.policy, chunk, self.cfg.train.group_size, gen, first_group)
+                return OFFPOLICY[a.offpolicy](self.policy, rollout, self.task)[0]
+
+        if self.reward_pool is None:
+            rollout = sample(examples, 0)
+            with self.timer("reward"):
+                return (rollout, *self.reward(rollout.outputs, rollout.examples, rollout.group_id))
+        k = min(r.overlap_chunks, len(examples))
+        bounds = [len(examples) * c // k for c in range(k + 1)]
+        parts = []
+        for c in range(k):
+            ro = sample(examples[bounds[c]:bounds[c + 1]], bounds[c])
+            parts.append((ro, self.reward_pool.submit(self.reward, ro.outputs, ro.examples, ro.group_id)))
+        with self.timer("reward_wait"):  # the reward time not hidden behind sampling
+            scored = [(ro, f.result()) for ro, f in parts if len(ro)]
+        rollout = Rollout.concat([ro for ro, _ in scored])
+        rollout.group_id = torch.cat([ro.group_id for ro, _ in scored])  # global ids, not renumbered
+        keys = set.intersection(*(set(s[0]) for _, s in scored))  # a per-sample retry may drop component keys
+        rewards = {key: torch.cat([s[0][key] for _, s in scored]) for key in sorted(keys)}
+        return rollout, rewards, torch.cat([s[1] for _, s in scored]), sum(s[2] for _, s in scored)
+
