@@ -1,7 +1,8 @@
 """The command line:
     mmrl train CONFIG [--resume] [key=value ...]        train (mmrl/trainer.py)
     mmrl eval CONFIG [CHECKPOINT ...] [key=value ...]   the config's held-out benchmark (mmrl/eval.py)
-    mmrl validate CONFIG [key=value ...]                check a config and every name in it, build nothing
+    mmrl validate CONFIG [key=value ...] [--nproc N]    check a config and every name in it (and that N processes
+                                                        can run it), build nothing
     mmrl plan CONFIG [--world N] [--cp D] [key=value ...]  memory and FLOPs per GPU at real size (mmrl/plan.py)
     mmrl export CHECKPOINT OUT                          a merged model folder (mmrl/export.py)
     mmrl serve-reward NAME [--kwargs JSON] [--port P]   a reward over HTTP (mmrl/reward_server.py)"""
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     va = sub.add_parser("validate", help="check a config: keys, types, values and every registry name")
     va.add_argument("config")
     va.add_argument("overrides", nargs="*")
+    va.add_argument("--nproc", type=int, default=1, help="also check it runs on this many processes (torchrun)")
     sv = sub.add_parser("serve-reward", help="serve a registered reward over HTTP (reward.name=remote calls it)")
     sv.add_argument("name", help="reward registry key, e.g. shapes, clip_score, pickscore")
     sv.add_argument("--kwargs", default="{}", help="JSON keyword arguments of the reward")
@@ -71,12 +73,16 @@ def main(argv: list[str] | None = None) -> int:
             args.checkpoints = [x for x in args.rest if x not in args.overrides]
         try:
             cfg = load_config(args.config, args.overrides)
+            if args.cmd == "validate":
+                from mmrl.distributed import check_parallel_config
+
+                check_parallel_config(cfg, args.nproc)
         except (ValueError, FileNotFoundError) as e:
             print(f"mmrl: config error: {e}", file=sys.stderr)
             return 2
         if args.cmd == "validate":
             print(f"{args.config}: valid (model.policy={cfg.model.policy}, task.name={cfg.task.name}, "
-                  f"reward.name={cfg.reward.name})")
+                  f"reward.name={cfg.reward.name}" + (f", {args.nproc} processes" if args.nproc > 1 else "") + ")")
             return 0
         return eval_main(args, cfg)
     if args.cmd == "plan":
@@ -98,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             cfg = load_config(args.config, args.overrides)
+            if args.cmd == "validate":
+                from mmrl.distributed import check_parallel_config
+
+                check_parallel_config(cfg, args.nproc)
         except (ValueError, FileNotFoundError) as e:
             print(f"mmrl: config error: {e}", file=sys.stderr)
             return 2

@@ -40,8 +40,8 @@ class ModelConfig:
     freeze_vision: bool = True    # vlm full fine-tuning: keep the vision tower frozen
     shared_prefix: bool = True    # token policies: each prompt (with its media) runs once per group in scoring
     text_cache: int = 1024        # flow policies: prompt embeddings kept across iterations (frozen text encoders)
-    offload: bool = False         # flow policies: text encoders, VAE and the KL reference copy wait on CPU and move
-                                  # to the device only while they run (less memory, more host-device copies)
+    offload: bool = False         # flow policies: text encoders and the KL reference copy wait on CPU and move to
+                                  # the device only while they run (less memory, more host-device copies)
 
 
 @dataclass

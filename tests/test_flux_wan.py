@@ -158,3 +158,27 @@ def test_wan22_two_experts_switch_at_the_boundary_and_both_train(tmp_path):
         torch.testing.assert_close(reloaded.velocity(x, sigma, enc, pooled), both, atol=1e-5, rtol=1e-5)
         reloaded.transformer, reloaded.transformer_2 = pipe.transformer, pipe.transformer_2
         torch.testing.assert_close(reloaded.velocity(x, sigma, enc, pooled), both, atol=1e-5, rtol=1e-5)
+
+
+def test_wan22_experts_in_lockstep_run_both_on_every_call(tmp_path):
+    """Several processes: each expert is a DDP / FSDP module whose calls are collectives, so with `lockstep` both
+    experts run on every call (in one order), an expert without rows on one row that enters the result times 0:
+    the velocity is unchanged, and the idle expert's parameters get zero (not missing) gradients."""
+    path = str(tmp_path / "wan22")
+    build_tiny_wan_pipeline(two_experts=True).save_pretrained(path)
+    pol = policy(path, "model.sample_size=4", "model.num_frames=5", "model.lora.enabled=true", "model.lora.rank=4")
+    calls = []
+    for name, tr in pol.experts():
+        tr.register_forward_pre_hook(lambda *_, name=name: calls.append(name))
+    x = torch.randn(2, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    enc, pooled = pol.model.encode_prompts(["a cat", "a dog"])
+    sigma = torch.tensor([0.9, 0.95])                               # both rows on the high-noise expert
+    alone = pol.model.velocity(x, sigma, enc, pooled)
+    assert calls == ["transformer"]
+    pol.model.lockstep, calls[:] = True, []
+    together = pol.model.velocity(x, sigma, enc, pooled)
+    assert calls == ["transformer", "transformer_2"]
+    torch.testing.assert_close(together, alone)
+    together.square().mean().backward()
+    idle = [p.grad for n, p in pol.model.transformer_2.named_parameters() if p.requires_grad]
+    assert idle and all(g is not None and g.abs().max() == 0 for g in idle)

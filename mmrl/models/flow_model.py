@@ -53,6 +53,7 @@ class FlowModel:
     linspace_sigmas: bool = False                # Z-Image: a static shift of linspace(1, 1/S, S), as its pipeline
     transformer_2: torch.nn.Module | None = None  # Wan2.2 A14B: the low-noise expert, used below `boundary`
     boundary: float | None = None                # sigma at which transformer_2 takes over (boundary_ratio)
+    lockstep: bool = False                       # several processes: both experts run on every call (see _forward)
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, enc: torch.Tensor, pooled: torch.Tensor,
                  cfg_scale: float = 1.0, neg: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -79,29 +80,40 @@ class FlowModel:
 
     @torch.no_grad()
     def generate(self, texts: list[str], seeds: list[int], num_steps: int = 16, cfg_scale: float = 4.0,
-                 shift: float = 1.0) -> torch.Tensor:
-        """ODE samples decoded to images [N, 3, H, W] in [-1, 1]."""
+                 shift: float = 1.0, encoded: tuple | None = None) -> torch.Tensor:
+        """ODE samples decoded to images [N, 3, H, W] in [-1, 1]. encoded: (enc, pooled, neg or None) already
+        computed by the caller (a policy whose text encoders wait on the CPU), else the prompts are encoded here."""
         from mmrl.sampling.flow_sde import run_chain
 
         device = next(self.transformer.parameters()).device
-        enc, pooled = self.encode_prompts(texts)
-        neg = self.negative(len(texts)) if cfg_scale != 1.0 else None
+        if encoded is None:
+            enc, pooled = self.encode_prompts(texts)
+            neg = self.negative(len(texts)) if cfg_scale != 1.0 else None
+        else:
+            enc, pooled, neg = encoded
         sigmas = sigma_schedule(num_steps, shift, self.schedule_mu, self.shift_terminal, self.linspace_sigmas)
         traj = run_chain(lambda x, s: self.velocity(x, s, enc, pooled, cfg_scale, neg),
                          self.initial_noise(seeds, device), sigmas, ["ode"] * num_steps, 0.0, record=False)
         return self.decode(traj.latents[:, -1])
 
     def _forward(self, x, sigma, enc, pooled):
-        """One transformer forward (rows at sigma >= boundary on transformer, the rest on transformer_2)."""
+        """One transformer forward (rows at sigma >= boundary on transformer, the rest on transformer_2). With
+        `lockstep` (several processes: each expert is a DDP / FSDP module whose calls are collectives) both experts
+        run on every call, in the same order on every rank: one without rows runs one row whose output enters the
+        result times 0 (its parameters get zero gradients, as DDP's reducer expects)."""
         if self.transformer_2 is None:
             return self._expert(self.transformer, x, sigma, enc, pooled)
         high = sigma >= self.boundary                                                    # [N]
-        if bool(high.all()) or not bool(high.any()):
+        if not self.lockstep and (bool(high.all()) or not bool(high.any())):
             return self._expert(self.transformer if bool(high.all()) else self.transformer_2, x, sigma, enc, pooled)
-        hi, lo = high.nonzero().squeeze(1), (~high).nonzero().squeeze(1)
-        v_hi = self._expert(self.transformer, x[hi], sigma[hi], enc[hi], pooled[hi])
-        v_lo = self._expert(self.transformer_2, x[lo], sigma[lo], enc[lo], pooled[lo])
-        return v_hi.new_zeros(x.shape).index_put((hi,), v_hi).index_put((lo,), v_lo)  # differentiable
+        out, unused = x.new_zeros(x.shape, dtype=torch.float32), 0.0
+        for expert, rows in ((self.transformer, high.nonzero().squeeze(1)),
+                             (self.transformer_2, (~high).nonzero().squeeze(1))):
+            if len(rows):
+                out = out.index_put((rows,), self._expert(expert, x[rows], sigma[rows], enc[rows], pooled[rows]))
+            else:
+                unused = unused + 0.0 * self._expert(expert, x[:1], sigma[:1], enc[:1], pooled[:1]).sum()
+        return out + unused  # differentiable
 
     def _expert(self, transformer, x, sigma, enc, pooled):
         dtype = next(transformer.parameters()).dtype

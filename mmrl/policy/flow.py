@@ -177,8 +177,7 @@ class FlowPolicy(PolicyDefaults):
             }
             old_log_prob = traj.log_prob[:, p]
         extras.update(enc=enc, pooled=pooled)                            # [N, L, D], [N, P]
-        with self._onload(self.model.text_modules):
-            images = in_chunks(self.model.decode, self.micro_batch, traj.latents[:, -1])
+        images = in_chunks(self.model.decode, self.micro_batch, traj.latents[:, -1])  # the VAE stays on the device
         return Rollout(group_id=group_ids(len(texts), group_size)[rows], old_log_prob=old_log_prob,
                        action_mask=torch.ones(old_log_prob.shape, dtype=torch.bool),
                        examples=[examples[i // group_size] for i in rows.tolist()], outputs=images, extras=extras)
@@ -327,9 +326,14 @@ class FlowPolicy(PolicyDefaults):
 
     def parallelize(self, wrap, parallel: str) -> None:
         """DDP wraps each transformer (gradients all-reduced during backward); FSDP2 shards it in place. Every
-        transformer call goes through the result; the frozen text encoders and VAE stay replicated."""
+        transformer call goes through the result; the frozen text encoders and VAE stay replicated. Two experts
+        (Wan2.2) run in lockstep: both on every call, so every rank issues the same collectives. FSDP2 also shards
+        a frozen KL reference copy (full fine-tuning), which would otherwise be a whole replica on every GPU."""
         for name, tr in self.experts():
             setattr(self.model, name, wrap(tr))
+        self.model.lockstep = self.model.transformer_2 is not None
+        if parallel == "fsdp" and self._ref_copy is not None and not self.offload:
+            self._ref_copy = {name: wrap(ref) for name, ref in self._ref_copy.items()}
 
     def enable_gradient_checkpointing(self) -> None:
         for _, tr in self.experts():
@@ -338,8 +342,10 @@ class FlowPolicy(PolicyDefaults):
     @torch.no_grad()
     def evaluate(self, examples: list[dict], seed: int) -> torch.Tensor:
         texts = [ex["prompt"] for ex in examples]
+        enc, pooled = self.encode(texts)  # model.offload: the text encoders visit the device for this only
+        neg = self._negative(len(texts)) if self.cfg.eval_cfg_scale != 1.0 else None
         return self.model.generate(texts, [seed + i for i in range(len(texts))], self.cfg.eval_steps,
-                                   self.cfg.eval_cfg_scale, self.cfg.shift)
+                                   self.cfg.eval_cfg_scale, self.cfg.shift, encoded=(enc, pooled, neg))
 
     # ---------------------------------------------------------------------------------------------- save/load
     def save_pretrained(self, path: str) -> None:
