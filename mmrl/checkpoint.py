@@ -68,12 +68,15 @@ def save_trainer(tr) -> str:
     path = os.path.join(tr.cfg.log.out_dir, "checkpoints", f"iter-{tr.iteration:06d}")
     fsdp = tr.dist.world > 1 and tr.cfg.train.parallel == "fsdp"
     main = tr.dist.main
+    tr.dist.reshard()  # FSDP2: parameters a forward left gathered (the root's) go back to their shards first
     params = gather_to(main, tr.params)     # whole CPU copies on rank 0 only (all-gathers under FSDP: every rank)
     ema = gather_to(main, tr.ema.shadow) if tr.ema is not None else None
     # the saved policy is the EMA one when enabled; raw weights go to trainer_state. Under FSDP rank 0 gathers what
     # save_pretrained writes: the trained tensors (LoRA: the adapters), never a frozen base
     saved = (lambda p: p.requires_grad) if getattr(tr.policy, "lora", False) else (lambda p: True)
-    with tr.ema_weights(), unsharded(tr.policy.trainable_modules() if fsdp else [], main, saved), \
+    # the saved values were gathered just above: rank 0 reuses them instead of holding a second copy
+    known = {id(p): v for p, v in zip(tr.params, ema if ema is not None else params)} if main else None
+    with tr.ema_weights(), unsharded(tr.policy.trainable_modules() if fsdp else [], main, saved, known), \
             contextlib.ExitStack() as stack:
         tmp = stack.enter_context(atomic_dir(path)) if tr.dist.main else None
         tmp = tr.dist.broadcast_object(tmp)

@@ -320,16 +320,21 @@ def _serves(device: torch.device) -> bool:
 
 
 @contextlib.contextmanager
-def unsharded(modules: list[torch.nn.Module], keep: bool = True, which=lambda p: True):
+def unsharded(modules: list[torch.nn.Module], keep: bool = True, which=lambda p: True, known: dict | None = None):
     """Within the block, the FSDP2-sharded parameters p of `modules` with which(p) are replaced by whole tensors
     on the CPU where `keep` (the rank that saves); every rank must enter (each parameter is all-gathered in turn,
-    in the same order everywhere, so a rank holds one whole parameter at a time besides what it keeps). The
-    sharded parameters are put back afterwards."""
+    in the same order everywhere, so a rank holds one whole parameter at a time besides what it keeps). known:
+    {id(parameter): its whole CPU tensor} already gathered (not gathered again). The sharded parameters are put
+    back afterwards."""
+    known = known or {}
     sharded = [(sub, name, p) for mod in modules for sub in mod.modules()
                for name, p in list(sub._parameters.items()) if p is not None and hasattr(p, "full_tensor") and which(p)]
     whole = []
     with torch.no_grad():
         for _, _, p in sharded:
+            if id(p) in known:
+                whole.append(torch.nn.Parameter(known[id(p)], requires_grad=p.requires_grad) if keep else None)
+                continue
             t = p.full_tensor()
             if keep:
                 whole.append(torch.nn.Parameter(t.detach().cpu().clone(), requires_grad=p.requires_grad))

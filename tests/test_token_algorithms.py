@@ -83,14 +83,12 @@ def test_dynamic_sampling_refills_zero_std_groups(tmp_path):
 
     cfg = load_config(None, ["train.prompts_per_iter=4", "train.group_size=2", "algo.dynamic_sampling=true",
                              "algo.dynamic_sampling_tries=3", f"log.out_dir={tmp_path}"])
-    tr = Trainer.__new__(Trainer)
-    from mmrl.metrics import Timer
-
     from mmrl.distributed import Distributed
+    from mmrl.metrics import Timer
+    from mmrl.rollout.collect import Collector
 
-    tr.cfg, tr.policy, tr.task, tr.reward, tr.timer = cfg, Fake(), Task(), RewardRunner(reward), Timer()
-    tr.reward_pool, tr.dist = None, Distributed()
-    ro, rewards, valid, m = tr._collect(random.Random(0), torch.Generator().manual_seed(0))
+    collect = Collector(cfg, Fake(), Task(), RewardRunner(reward), Distributed(), Timer())
+    ro, rewards, valid, m = collect(random.Random(0), torch.Generator().manual_seed(0))
     assert len(ro) == 8 and m["dynamic/informative_groups"] == 4 and m["dynamic/rounds"] == 4  # found 2, 1, 0, 1
     assert all(int(e["prompt"][1:]) % 2 == 1 for e in ro.examples)
     assert ro.group_id.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]

@@ -173,7 +173,7 @@ def test_pairwise_multi_gdpo_remote_and_overlap_through_the_trainer(tiny_pixel_m
         tr = Trainer(cfg_for(tiny_pixel_model, tmp_path, "reward.name=remote", f"reward.kwargs={{\"url\": \"{srv.url}\"}}",
                              "reward.workers=1", "reward.overlap_chunks=2", "reward.eval_name=shapes",
                              "train.iterations=1", "log.eval_at_start=false"))
-        ro, rewards, valid, fails = tr._sample_and_score([{"prompt": "a red circle"}, {"prompt": "two squares"}],
+        ro, rewards, valid, fails = tr.collect.sample_and_score([{"prompt": "a red circle"}, {"prompt": "two squares"}],
                                                          torch.Generator().manual_seed(0))
         assert fails == 0 and valid.all() and ro.group_id.tolist() == [0, 0, 0, 1, 1, 1]
         assert torch.equal(rewards["overall"], REWARDS["shapes"]()(ro.outputs, ro.examples)["overall"])

@@ -42,11 +42,11 @@ def _child(spec: dict) -> dict:
     tr = Trainer(load_config(spec["config"], spec["overrides"]))
     tr.policy.defer_old_log_prob = False
     before = reset_peak()
-    rollout, _, _, _ = tr._collect(random.Random(0), torch.Generator().manual_seed(0))
+    rollout, _, _, _ = tr.collect(random.Random(0), torch.Generator().manual_seed(0))
     sample_peak = rss_kib("VmHWM") - before
     if spec.get("resample_whole"):  # generation in parts draws other tokens: train on the unsplit rollout
         micro, tr.policy.micro_batch = tr.policy.micro_batch, 0
-        rollout, _, _, _ = tr._collect(random.Random(0), torch.Generator().manual_seed(0))
+        rollout, _, _, _ = tr.collect(random.Random(0), torch.Generator().manual_seed(0))
         tr.policy.micro_batch = micro
     tr.opt.step, tr.opt.zero_grad = (lambda: None), (lambda set_to_none=True: None)  # keep the gradient
     before = reset_peak()
