@@ -55,8 +55,6 @@ def test_rollout_concat_pads_actions_and_renumbers_groups():
 
 def test_dynamic_sampling_refills_zero_std_groups(tmp_path):
     """A fake policy whose groups alternate between constant and varied rewards: DAPO keeps the varied ones."""
-    from mmrl.trainer import Trainer
-
     class Fake:
         calls = 0
 
