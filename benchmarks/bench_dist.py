@@ -65,7 +65,7 @@ def main():
         me = [os.path.abspath(__file__), "--worker", out, str(prompts)]
         two = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
         for cmd in ([sys.executable, *me, "none"], [*two, *me, "fsdp"]):
-            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
             if r.returncode:
                 sys.exit(r.stderr[-3000:])
         one, fsdp = (json.load(open(os.path.join(out, f))) for f in ("none-1.json", "fsdp-2.json"))

@@ -324,8 +324,8 @@ def unsharded(modules: list[torch.nn.Module], keep: bool = True, which=lambda p:
     """Within the block, the FSDP2-sharded parameters p of `modules` with which(p) are replaced by whole tensors
     on the CPU where `keep` (the rank that saves); every rank must enter (each parameter is all-gathered in turn,
     in the same order everywhere, so a rank holds one whole parameter at a time besides what it keeps). known:
-    {id(parameter): its whole CPU tensor} already gathered (not gathered again). The sharded parameters are put
-    back afterwards."""
+    {id(parameter): its whole CPU tensor where `keep`} already gathered, not gathered again (the same keys on every
+    rank, or the ranks' gathers would not match). The sharded parameters are put back afterwards."""
     known = known or {}
     sharded = [(sub, name, p) for mod in modules for sub in mod.modules()
                for name, p in list(sub._parameters.items()) if p is not None and hasattr(p, "full_tensor") and which(p)]
