@@ -124,6 +124,7 @@ def unguarded(transformer, x, enc, per_token, args):
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"error": error}, f)
+    dist.barrier()  # no rank tears the group down while another still talks to it (an abort at exit otherwise)
     dist.destroy_process_group()
 
 
@@ -178,6 +179,7 @@ def main():
         with open(args.out, "w") as f:
             json.dump(reports, f, indent=1)
         print(json.dumps(reports[0]))
+    dist.barrier()  # no rank tears the group down while another still talks to it (an abort at exit otherwise)
     dist.destroy_process_group()
 
 
