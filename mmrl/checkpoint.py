@@ -74,9 +74,9 @@ def save_trainer(tr) -> str:
     # the saved policy is the EMA one when enabled; raw weights go to trainer_state. Under FSDP rank 0 gathers what
     # save_pretrained writes: the trained tensors (LoRA: the adapters), never a frozen base
     saved = (lambda p: p.requires_grad) if getattr(tr.policy, "lora", False) else (lambda p: True)
-    # the saved values were gathered just above: rank 0 reuses them instead of holding a second copy
-    # (every rank skips the same parameters' gathers: the values exist on rank 0 only)
-    known = {id(p): v for p, v in zip(tr.params, (ema if ema is not None else params) if main else [None] * len(tr.params))}
+    # the saved values were gathered just above: rank 0 reuses them instead of holding a second copy (the same
+    # keys on every rank, so every rank skips the same gathers; the values exist on rank 0 only)
+    known = {id(p): v for p, v in zip(tr.params, ema if ema is not None else params)}
     with tr.ema_weights(), unsharded(tr.policy.trainable_modules() if fsdp else [], main, saved, known), \
             contextlib.ExitStack() as stack:
         tmp = stack.enter_context(atomic_dir(path)) if tr.dist.main else None

@@ -36,10 +36,6 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 
-# per-action extras that credit assignment reads (tree rollouts), gathered with the rewards
-GATHERED_EXTRAS = ("tree_node", "tree_depth", "step_index")
-
-
 def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
@@ -137,7 +133,7 @@ class Distributed:
         device. Travels on the CPU group."""
         if self.world == 1:
             return x
-        return torch.cat([p.to(x.device) for p in self.gather_list([x.detach().cpu()])]) if len(x.shape) else x
+        return torch.cat([p.to(x.device) for p in self.gather_list([x.detach().cpu()])])
 
     def gather_list(self, items: list) -> list:
         """Concatenate every rank's list (picklable items) in rank order."""
@@ -171,38 +167,39 @@ class Distributed:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return bool(t.item())
 
-    def gather_padded(self, x: torch.Tensor, value=0) -> torch.Tensor:
-        """gather of [n_r, A_r] tensors whose widths differ by rank (token completions): right-padded with
-        `value` to the widest."""
-        width = self.max_int(x.shape[1])
-        return self.gather(torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value))
-
-    def gather_rows(self, rollout, rewards: dict, valid: torch.Tensor):
+    def gather_rows(self, rollout, rewards: dict, valid: torch.Tensor, extras: tuple[str, ...] = ()):
         """Every rank's rows in the single-process order (by global group id; a group's rows stay in order), as
-        credit assignment and the reward metrics read them: a Rollout of group ids, old log-probs, action masks,
-        off-policy flags, categories and the per-action bookkeeping extras of `GATHERED_EXTRAS` (no outputs, no
-        model inputs), the rewards [N] and the valid mask [N]; and this rank's positions in that order [n].
-        Padding rows (group id -1) are left out."""
+        credit assignment and the reward metrics read them, in one exchange: a Rollout of group ids, old log-probs,
+        action masks, off-policy flags, categories and the named per-action `extras` (no outputs, no model inputs;
+        [N, A] tensors right-padded to the widest rank's A), the rewards [N] and the valid mask [N]; and this rank's
+        positions in that order [n]. Padding rows (group id -1) are left out."""
         from mmrl.data import Rollout
 
-        real = rollout.group_id >= 0
-        if not real.all():
-            rollout, rewards, valid = rollout.select(real.nonzero().squeeze(-1)), \
-                {k: v[real] for k, v in rewards.items()}, valid[real]
-        gid = self.gather(rollout.group_id)
-        order = torch.sort(gid, stable=True).indices                          # rank order -> single-process order
+        real = (rollout.group_id >= 0).nonzero().squeeze(-1)
+        mine = {"group_id": rollout.group_id[real], "old_log_prob": rollout.old_log_prob[real],
+                "action_mask": rollout.action_mask[real], "is_offpolicy": rollout.is_offpolicy[real],
+                "valid": valid[real], "category": [rollout.examples[i].get("category") for i in real.tolist()],
+                **{f"extras/{k}": rollout.extras[k][real] for k in extras},
+                **{f"rewards/{k}": v[real] for k, v in rewards.items()}}
+        parts = self.gather_list([{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in mine.items()}])
+        order = torch.sort(torch.cat([p["group_id"] for p in parts]), stable=True).indices  # rank -> single order
         where = torch.empty_like(order)
         where[order] = torch.arange(len(order))
-        off = sum(self.gather_list([len(rollout)])[:self.rank])
-        local_rows = where[off:off + len(rollout)]
-        cats = self.gather_list([e.get("category") for e in rollout.examples])
-        extras = {k: self.gather_padded(rollout.extras[k])[order] for k in GATHERED_EXTRAS
-                  if self.all_true(k in rollout.extras)}
-        everyone = Rollout(group_id=gid[order], old_log_prob=self.gather_padded(rollout.old_log_prob)[order],
-                           action_mask=self.gather_padded(rollout.action_mask, False)[order],
+        off = sum(len(p["group_id"]) for p in parts[:self.rank])
+        local_rows = where[off:off + len(real)]
+
+        def cat(key):  # every rank's values of `key`, in the single-process order
+            ts = [p[key] for p in parts]
+            if ts[0].dim() > 1:  # [n_r, A_r]: pad to the widest
+                width = max(t.shape[1] for t in ts)
+                ts = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in ts]
+            return torch.cat(ts)[order]
+
+        cats = [c for p in parts for c in p["category"]]
+        everyone = Rollout(group_id=cat("group_id"), old_log_prob=cat("old_log_prob"), action_mask=cat("action_mask"),
                            examples=[{"category": cats[i]} for i in order.tolist()], outputs=None,
-                           extras=extras, is_offpolicy=self.gather(rollout.is_offpolicy)[order])
-        return everyone, {k: self.gather(v)[order] for k, v in rewards.items()}, self.gather(valid)[order], local_rows
+                           extras={k: cat(f"extras/{k}") for k in extras}, is_offpolicy=cat("is_offpolicy"))
+        return everyone, {k: cat(f"rewards/{k}") for k in rewards}, cat("valid"), local_rows
 
     def mean_stats(self, stats: dict[str, list[tuple[float, int]]]) -> dict[str, float]:
         """Statistics kept as (sum, count) pairs, summed over every rank's pairs: sum / count (one set of numbers
@@ -215,23 +212,19 @@ class Distributed:
         return {k: x / c if c else 0.0 for k, (x, c) in sorted(merged.items())}
 
     def check_in_sync(self, params: list[torch.Tensor], what: str = "parameters") -> None:
-        """Raise if this rank's replicated parameters differ from rank 0's. A checksum and a position-weighted
-        checksum are accumulated in fp64 one parameter at a time (the model is never materialized). FSDP2 shards
-        have no replica to compare; their local checksums are gathered, which also fails loudly when a rank holds
-        a different number of shards."""
-        if self.world == 1:
+        """Raise if this rank's replicated parameters differ from rank 0's: a checksum and a position-weighted
+        checksum, accumulated in fp64 one parameter at a time (nothing is materialized), compared across ranks.
+        FSDP2 shards have no replica to compare and are skipped."""
+        replicated = [p for p in params if not hasattr(p, "to_local")]
+        if self.world == 1 or not replicated:
             return
         with torch.no_grad():
             v = torch.zeros(2, dtype=torch.float64)
-            for p in params:
-                local = p.to_local() if hasattr(p, "to_local") else p
-                f = local.detach().flatten()
+            for p in replicated:
+                f = p.detach().flatten().double()
                 w = torch.arange(1, f.numel() + 1, device=f.device).remainder_(97)
-                v += torch.stack([f.double().sum(), (f.double() * w).sum()]).cpu()
-            sharded = any(hasattr(p, "to_local") for p in params)
+                v += torch.stack([f.sum(), (f * w).sum()]).cpu()
         sums = self.gather(v[None])                                          # [world, 2]
-        if sharded:
-            return
         bad = [r for r in range(self.world) if not torch.allclose(sums[r], sums[0], rtol=1e-9, atol=1e-9)]
         if bad:
             raise RuntimeError(f"ranks are out of sync: {what} differ from rank 0's on rank(s) {bad}. Gradients are "
@@ -253,7 +246,7 @@ class Distributed:
         mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, self.device.type)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if mixed_precision == "bf16" else MixedPrecisionPolicy()
-        for blk in _blocks(module):  # each transformer block its own unit: params all-gathered one block at a time
+        for blk in transformer_blocks(module):  # each transformer block its own unit: params all-gathered one block at a time
             fully_shard(blk, mesh=mesh, mp_policy=mp)
         fully_shard(module, mesh=mesh, mp_policy=mp)
         self.wrapped.append(module)
@@ -350,23 +343,21 @@ def unsharded(modules: list[torch.nn.Module], keep: bool = True, which=lambda p:
                 sub._parameters[name] = p
 
 
-def gather_to(keep: bool, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """The whole tensors (CPU copies) of possibly FSDP2-sharded `tensors` where `keep`, else None; every rank
+def gather_to(keep: bool, tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The whole tensors (CPU copies) of possibly FSDP2-sharded `tensors` where `keep`, else Nones; every rank
     must call it (one all-gather per sharded tensor, one at a time)."""
     out = []
     with torch.no_grad():
         for t in tensors:
-            f = full(t).detach()
-            if keep:
-                out.append(f.cpu().clone())
-            del f
-    return out if keep else None
+            f = full(t).detach()  # a collective under FSDP: every rank
+            out.append(f.cpu().clone() if keep else None)
+    return out
 
 
 _BLOCK_LISTS = ("layers", "blocks", "transformer_blocks", "single_transformer_blocks")
 
 
-def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks of a model: the items of its outermost ModuleLists named like layers / blocks
     (diffusers transformer_blocks, transformers model.layers, vision blocks ...)."""
     found, taken = [], []

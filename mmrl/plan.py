@@ -2,8 +2,8 @@
 is loaded.
 
 The trained model (a flow transformer, or a token policy's language model) is instantiated on the meta device at
-real size (from `model.path`'s config files, or from a published architecture: mmrl/models/architectures.py and
-PLAN_ARCHITECTURES below), with the run's dtype and LoRA, and one training micro-batch is run through it on meta
+real size (from `model.path`'s config files, or from a published architecture: mmrl/models/architectures.py),
+with the run's dtype and LoRA, and one training micro-batch is run through it on meta
 tensors:
   - parameters, trainable parameters, and the bytes of weights (frozen at model.dtype, trained in fp32), fp32
     gradients, AdamW state (2 x fp32), EMA and the frozen KL reference copy when the run has them;
@@ -24,8 +24,8 @@ Several GPUs (`world` data-parallel processes x `cp` context-parallel ranks each
 whole groups; minibatches are chunks of one global permutation, so a rank's rows in one minibatch vary: without
 `train.micro_batch` the plan sizes the training forward for the share exceeded once in 10^6 minibatches
 (hypergeometric). `train.parallel=fsdp` shards weights, gradients, AdamW state and EMA over world x cp GPUs (and
-all-gathers two blocks' weights at a time); ddp replicates them; the KL reference copy is made before wrapping and
-is never sharded. Context parallelism (mmrl/context_parallel.py) splits one forward's video tokens cp ways: the
+all-gathers two blocks' weights at a time); ddp replicates them; a flow policy's frozen KL reference copy is sharded
+like them (not under model.offload, nor a token policy's). Context parallelism (mmrl/context_parallel.py) splits one forward's video tokens cp ways: the
 transformer activations per GPU divide by cp, while rollouts, text encoders, VAE and its decode stay per rank. No
 wall-clock time is estimated: FLOPs and rows per GPU are given instead.
 """
@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmrl.config import policy_kind, sample_chunk
-from mmrl.models.architectures import ARCHITECTURES
+from mmrl.distributed import check_parallel_config, transformer_blocks
+from mmrl.models.architectures import ARCHITECTURES, FROZEN_PARTS
 
 GiB = 2**30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,16 +92,6 @@ class _Measure(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks gradient checkpointing wraps (diffusers transformer blocks, decoder layers)."""
-    out = []
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.ModuleList) and name.split(".")[-1] in (
-                "transformer_blocks", "single_transformer_blocks", "blocks", "layers"):
-            out += list(m)
-    return out
-
-
 def measure_forward(model: torch.nn.Module, run) -> dict:
     """Run `run()` (one forward of `model` on meta tensors, with grad) and measure: bytes saved for backward
     (not the parameters), per block and outside blocks, the blocks' input bytes, and forward FLOPs."""
@@ -118,7 +109,7 @@ def measure_forward(model: torch.nn.Module, run) -> dict:
         return t
 
     hooks = []
-    for i, b in enumerate(_blocks(model)):
+    for i, b in enumerate(transformer_blocks(model)):
         def pre(mod, args, kwargs, i=i):
             current[0] = i
             block_inputs[0] += sum(a.untyped_storage().nbytes() for a in (*args, *kwargs.values())
@@ -223,36 +214,6 @@ def _prepare(module: torch.nn.Module, cfg, targets) -> None:
         module.requires_grad_(True)
 
 
-# Wan-AI/Wan2.2-T2V-A14B-Diffusers: two transformers of the Wan2.1-14B architecture (dim 5120, 40 layers, 40 heads,
-# ffn 13824; Wan-Video/Wan2.2 wan/configs/wan_t2v_A14B.py), the high-noise expert for t >= 0.875 and the low-noise
-# one below, one per forward; both held in memory (and both trained by mmrl).
-PLAN_ARCHITECTURES = {**ARCHITECTURES, "wan22-a14b": {**ARCHITECTURES["wan21-14b"], "experts": 2}}
-
-# The frozen parts of each pipeline at real size (text_encoder*/config.json and vae/config.json of the released
-# folders): SD3.5 CLIP-L + CLIP-G + T5-XXL encoder (5.58 B) and a 16-channel VAE (84 M); FLUX.1 CLIP-L + T5-XXL;
-# Wan2.x the umT5-XXL encoder (5.68 B) and the Wan2.1 VAE (127 M, diffusers' defaults); Qwen-Image Qwen2.5-VL-7B and
-# its VAE (diffusers' defaults).
-_CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-               max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")
-_CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
-               num_attention_heads=20, max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")
-_T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-               feed_forward_proj="gated-gelu")
-_VAE_16 = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=[128, 256, 512, 512],
-               down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-               layers_per_block=2, use_quant_conv=False, use_post_quant_conv=False)
-FROZEN_PARTS = {  # pipeline -> ([(transformers class, its config class, config)], (diffusers VAE class, config))
-    "StableDiffusion3Pipeline": ([("CLIPTextModelWithProjection", "CLIPTextConfig", _CLIP_L),
-                                  ("CLIPTextModelWithProjection", "CLIPTextConfig", _CLIP_G),
-                                  ("T5EncoderModel", "T5Config", _T5_XXL)], ("AutoencoderKL", _VAE_16)),
-    "FluxPipeline": ([("CLIPTextModel", "CLIPTextConfig", _CLIP_L), ("T5EncoderModel", "T5Config", _T5_XXL)],
-                     ("AutoencoderKL", _VAE_16)),
-    "WanPipeline": ([("UMT5EncoderModel", "UMT5Config", {**_T5_XXL, "vocab_size": 256384})], ("AutoencoderKLWan", {})),
-    "QwenImagePipeline": ([("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig",
-                            ARCHITECTURES["qwen25-vl-7b"]["config"])], ("AutoencoderKLQwenImage", {})),
-}
-
-
 def _frozen_parts(cfg, arch: dict | None) -> tuple[list[torch.nn.Module], torch.nn.Module | None]:
     """(text encoders, VAE or None) on the meta device at the dtype the pipeline loads them with."""
     import diffusers
@@ -330,15 +291,14 @@ def _nbytes(module: torch.nn.Module) -> int:
 
 
 def _check_layout(cfg, world: int, cp: int) -> None:
-    """Refuse a layout the run cannot have, naming the fix."""
+    """Refuse a layout the run cannot have, naming the fix: the checks a launched run makes (world processes), and
+    context parallelism only for flow transformers."""
     if world < 1 or cp < 1:
         raise ValueError(f"--world and --cp must be >= 1, got {world} and {cp}")
     if world * cp > 1 and cfg.train.parallel == "none":
         raise ValueError(f"train.parallel=none on {world * cp} GPUs: every process would train alone. Set "
                          f"train.parallel=ddp (replicated weights) or fsdp (sharded weights)")
-    if cfg.train.prompts_per_iter < world:
-        raise ValueError(f"train.prompts_per_iter={cfg.train.prompts_per_iter} groups for --world {world}: ranks "
-                         f"sample whole groups. Set train.prompts_per_iter >= {world}")
+    check_parallel_config(cfg, world)
     if cp > 1 and policy_kind(cfg.model.policy) != "flow":
         raise ValueError("--cp splits a flow transformer's video tokens (mmrl/context_parallel.py); token policies: --cp 1")
 
@@ -347,7 +307,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
     """The per-GPU cost of one iteration of config `cfg` (see the module docstring).
 
     Args:
-        arch_name: a PLAN_ARCHITECTURES key instead of model.path's config files.
+        arch_name: a ARCHITECTURES key instead of model.path's config files.
         prompt_tokens: a token policy's prompt length (with its video or image tokens).
         world: data-parallel processes (each samples ceil(B / world) whole groups).
         cp: context-parallel ranks per process (one forward's video tokens split cp ways); world x cp GPUs.
@@ -357,15 +317,15 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
     _check_layout(cfg, world, cp)
     arch = None
     if arch_name:
-        if arch_name not in PLAN_ARCHITECTURES:
-            raise ValueError(f"unknown architecture {arch_name!r}; known: {sorted(PLAN_ARCHITECTURES)}")
-        arch = PLAN_ARCHITECTURES[arch_name]
+        if arch_name not in ARCHITECTURES:
+            raise ValueError(f"unknown architecture {arch_name!r}; known: {sorted(ARCHITECTURES)}")
+        arch = ARCHITECTURES[arch_name]
         if arch["policy"] != policy_kind(cfg.model.policy):
             raise ValueError(f"--arch {arch_name} is a {arch['policy']} model but the config has "
                              f"model.policy={cfg.model.policy}")
     elif not os.path.isdir(cfg.model.path):
         raise FileNotFoundError(f"model.path={cfg.model.path!r} does not exist: point it at a model folder, or plan "
-                                f"a published architecture with --arch ({', '.join(sorted(PLAN_ARCHITECTURES))})")
+                                f"a published architecture with --arch ({', '.join(sorted(ARCHITECTURES))})")
     t, s = cfg.train, cfg.sampler
     n_rows = t.prompts_per_iter * t.group_size
     rank_rows = -(-t.prompts_per_iter // world) * t.group_size   # the most rows one rank samples
@@ -447,12 +407,14 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
     ref = n_params * dtype.itemsize if (cfg.algo.kl_coef > 0 and cfg.model.reference == "auto"
                                         and not cfg.model.lora.enabled) else 0
     shard = world * cp if t.parallel == "fsdp" else 1
+    if policy_kind(cfg.model.policy) == "flow" and not cfg.model.offload:  # FlowPolicy.parallelize shards it
+        ref /= shard
     state = {"weights_frozen": frozen_bytes / shard, "weights_trained_fp32": 4 * trainable / shard,
              "gradients_fp32": 4 * trainable / shard, "adamw_state_fp32": 8 * trainable / shard,
              "ema_fp32": 4 * trainable / shard if t.ema_decay > 0 else 0, "kl_reference_copy": ref}
     # FSDP2 all-gathers one block's weights for its forward and prefetches the next: two blocks, unsharded
     per_param = lambda p: 2 if (p.requires_grad and t.mixed_precision == "bf16") else p.element_size()  # noqa: E731
-    gathered = 2 * max((sum(p.numel() * per_param(p) for p in b.parameters()) for b in _blocks(model)), default=0) \
+    gathered = 2 * max((sum(p.numel() * per_param(p) for p in b.parameters()) for b in transformer_blocks(model)), default=0) \
         if shard > 1 else 0
     # the backward of a block allocates gradients of about its saved size while those are still held: the peak
     # is the saved tensors plus the largest block's (with checkpointing: the blocks' inputs, the largest block

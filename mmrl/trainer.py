@@ -135,7 +135,8 @@ class Trainer:
             metrics.update(self.dist.mean_stats({k: [(v * len(c_reward), len(c_reward))] for k, v in stats.items()}))
         local = (rollout, valid)
         if self.dist.world > 1:  # advantages need whole groups: every rank sees every row's reward, in order
-            rollout, rewards, valid, self._local_rows = self.dist.gather_rows(rollout, rewards, valid)
+            rollout, rewards, valid, self._local_rows = self.dist.gather_rows(
+                rollout, rewards, valid, getattr(self.credit, "reads_extras", ()))
         if extra:
             extra = ((rollout.group_id, *extra),)
         metrics["rollout/actions_mean"] = rollout.action_mask.sum(-1).float().mean().item()  # tokens: completion length

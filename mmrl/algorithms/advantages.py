@@ -87,7 +87,8 @@ def gdpo(rewards: dict, weights: dict | None, group_id, valid, cfg, estimator):
 # ------------------------------------------------------------------ credit assignment: advantages per action
 # A rule `(rewards {key: [N]} with "overall" already shaped, weights, rollout, valid [N], cfg, iteration)
 # -> (advantages [N] or [N, A], stats)`. `group`: one advantage per sample from its group (every trained
-# action of the sample gets it). `tree`: BranchGRPO's per-transition advantages of tree rollouts.
+# action of the sample gets it). `tree`: BranchGRPO's per-transition advantages of tree rollouts. A rule that reads
+# per-action rollout extras names them in `fn.reads_extras` (several processes gather them with the rewards).
 CREDIT_ASSIGNMENTS = Registry("credit assignment", {"tree": "mmrl.rollout.tree:tree_credit"})
 
 

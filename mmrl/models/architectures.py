@@ -42,3 +42,32 @@ ARCHITECTURES = {
                            fullatt_block_indexes=[7, 15, 23, 31]),
         tie_word_embeddings=False)},
 }
+
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers: two transformers of the Wan2.1-14B architecture (dim 5120, 40 layers, 40 heads,
+# ffn 13824; Wan-Video/Wan2.2 wan/configs/wan_t2v_A14B.py), the high-noise expert for t >= 0.875 and the low-noise
+# one below, one per forward; both held in memory (and both trained by mmrl).
+ARCHITECTURES["wan22-a14b"] = {**ARCHITECTURES["wan21-14b"], "experts": 2}
+
+# The frozen parts of each pipeline at real size (text_encoder*/config.json and vae/config.json of the released
+# folders): SD3.5 CLIP-L + CLIP-G + T5-XXL encoder (5.58 B) and a 16-channel VAE (84 M); FLUX.1 CLIP-L + T5-XXL;
+# Wan2.x the umT5-XXL encoder (5.68 B) and the Wan2.1 VAE (127 M, diffusers' defaults); Qwen-Image Qwen2.5-VL-7B and
+# its VAE (diffusers' defaults).
+_CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+               max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")
+_CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+               num_attention_heads=20, max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")
+_T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+               feed_forward_proj="gated-gelu")
+_VAE_16 = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=[128, 256, 512, 512],
+               down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+               layers_per_block=2, use_quant_conv=False, use_post_quant_conv=False)
+FROZEN_PARTS = {  # pipeline -> ([(transformers class, its config class, config)], (diffusers VAE class, config))
+    "StableDiffusion3Pipeline": ([("CLIPTextModelWithProjection", "CLIPTextConfig", _CLIP_L),
+                                  ("CLIPTextModelWithProjection", "CLIPTextConfig", _CLIP_G),
+                                  ("T5EncoderModel", "T5Config", _T5_XXL)], ("AutoencoderKL", _VAE_16)),
+    "FluxPipeline": ([("CLIPTextModel", "CLIPTextConfig", _CLIP_L), ("T5EncoderModel", "T5Config", _T5_XXL)],
+                     ("AutoencoderKL", _VAE_16)),
+    "WanPipeline": ([("UMT5EncoderModel", "UMT5Config", {**_T5_XXL, "vocab_size": 256384})], ("AutoencoderKLWan", {})),
+    "QwenImagePipeline": ([("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig",
+                            ARCHITECTURES["qwen25-vl-7b"]["config"])], ("AutoencoderKLQwenImage", {})),
+}

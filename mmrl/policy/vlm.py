@@ -364,15 +364,9 @@ class TokenPolicy(PolicyDefaults):
         if parallel == "fsdp":
             if not isinstance(self.engine, PrefixCacheEngine):
                 raise ValueError("train.parallel=fsdp needs sampler.engine=prefix_cache for token policies")
-            dist = self.dist  # mmrl.distributed.Distributed, set by the trainer: its CPU group (NCCL has no CPU backend)
-
-            def all_done(finished: bool) -> bool:
-                return dist.all_true(finished)
-
-            def pad_forwards(n: int) -> int:
-                return dist.max_int(n) - n
-
-            self.engine.all_done, self.pad_forwards = all_done, pad_forwards
+            # on the trainer's Distributed (set before parallelize): its CPU group, as NCCL has no CPU backend
+            self.engine.all_done = self.dist.all_true
+            self.pad_forwards = lambda n: self.dist.max_int(n) - n
         # one forward per scoring call on every rank (the shared-prefix pass makes one or two, by minibatch)
         self.shared_prefix = False
         self.model = wrap(self.model)

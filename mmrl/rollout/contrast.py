@@ -18,7 +18,8 @@ def contrast_rollout(sample, reward, rollout, group_size: int, seed: int):
     stats); failed samples score as 0."""
     groups = torch.unique(rollout.group_id)                                  # [B]
     first = [int((rollout.group_id == g).nonzero()[0]) for g in groups]
-    examples = [{**rollout.examples[i], "shuffle_frames": seed + k} for k, i in enumerate(first)]
+    # the permutation seed follows the group id, so a group shuffles alike on whichever rank holds it
+    examples = [{**rollout.examples[i], "shuffle_frames": seed + int(g)} for g, i in zip(groups, first)]
     contrast = sample(examples, group_size)
     scores, valid, _ = reward(contrast.outputs, contrast.examples)
     gid = groups[contrast.group_id]                                          # [M] rollout group ids

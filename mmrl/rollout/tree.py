@@ -135,6 +135,9 @@ def tree_credit(rewards: dict, weights: dict | None, rollout, valid: torch.Tenso
     return adv, {**stats, **tree_stats}
 
 
+tree_credit.reads_extras = ("tree_node", "tree_depth", "step_index")  # gathered across ranks with the rewards
+
+
 def tree_advantages(rewards: torch.Tensor, rollout, valid: torch.Tensor, cfg, estimator, iteration: int):
     """Per-transition advantages [N, A] of a tree rollout and its trained-action mask (set on rollout).
 
