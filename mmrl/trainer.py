@@ -135,7 +135,7 @@ class Trainer:
             metrics.update(self.dist.mean_stats({k: [(v * len(c_reward), len(c_reward))] for k, v in stats.items()}))
         local = (rollout, valid)
         if self.dist.world > 1:  # advantages need whole groups: every rank sees every row's reward, in order
-            rollout, rewards, valid, self._local_rows = self.dist.gather_rows(
+            rollout, rewards, valid, rows = self.dist.gather_rows(
                 rollout, rewards, valid, getattr(self.credit, "reads_extras", ()))
         if extra:
             extra = ((rollout.group_id, *extra),)
@@ -151,37 +151,36 @@ class Trainer:
         metrics.update(adv_stats)
         metrics.update(injection_diagnostics(shaped, rollout.group_id, valid, rollout.is_offpolicy, adv_fn))
         metrics.update(per_category(rollout.examples, rewards["overall"], valid))
-        overall = rewards["overall"]
+        overall, row_actions = rewards["overall"], rollout.action_mask.sum(-1)  # [N] the loss normalization
         if self.dist.world > 1:  # back to this rank's rows (a padding row, group id -1, has none: zero advantage)
             everyone, (rollout, valid) = rollout, local
-            self._row_actions = everyone.action_mask.sum(-1)   # [N] the loss normalization (credit may mask actions)
             real = (rollout.group_id >= 0).nonzero().squeeze(-1)
-            rows, width = self._local_rows, rollout.action_mask.shape[1]
+            width = rollout.action_mask.shape[1]
             rollout.action_mask = torch.zeros_like(rollout.action_mask)
             rollout.action_mask[real] = everyone.action_mask[rows, :width]
             mine = torch.zeros((len(rollout), *adv.shape[1:]), dtype=adv.dtype)
             mine[real] = adv[rows] if adv.dim() == 1 else adv[rows, :width]
             adv = mine
             overall = torch.zeros(len(rollout)).index_put_((real,), overall[rows])
+        else:
+            rows = torch.arange(len(rollout))
         with self.timer("train"):
-            metrics.update(self.optimize(rollout, adv))
+            metrics.update(self.optimize(rollout, adv, rows, row_actions))
         metrics.update(self.timer.pop())
         if cfg.log.image_every and it % cfg.log.image_every == 0:  # rank 0's rows
             self.logger.samples(it, rollout.outputs, rollout.examples, overall, t.group_size)
         return metrics
 
-    def optimize(self, rollout: Rollout, adv: torch.Tensor) -> dict:
-        if self.dist.world > 1:
-            return self._optimize(rollout, adv, self._local_rows, self._row_actions)
-        return self._optimize(rollout, adv, torch.arange(len(rollout)), rollout.action_mask.sum(-1))
-
-    def _optimize(self, rollout: Rollout, adv: torch.Tensor, rows: torch.Tensor, row_actions: torch.Tensor) -> dict:
+    def optimize(self, rollout: Rollout, adv: torch.Tensor, rows: torch.Tensor | None = None,
+                 row_actions: torch.Tensor | None = None) -> dict:
         """rows [n]: the positions of this rank's rows in the single-process order; row_actions [N]: trained actions
-        of every row (all ranks). Minibatches are chunks of one global permutation; each rank trains its rows of
+        of every row (all ranks); one process: the rollout's rows and their action counts. Minibatches are chunks of one global permutation; each rank trains its rows of
         them, normalized by the whole step's counts (x world, as DDP / FSDP average the gradients over ranks).
         Every rank runs as many forward / backward passes as the rank that needs the most (zero-weight padding),
         and gradients are synchronized only by the last backward of an optimizer step."""
         cfg, t, w = self.cfg, self.cfg.train, self.dist.world
+        if rows is None:
+            rows, row_actions = torch.arange(len(rollout)), rollout.action_mask.sum(-1)
         n_total = len(row_actions)
         local = torch.full((n_total,), -1, dtype=torch.long)
         local[rows] = torch.arange(len(rows))                    # single-process position -> this rank's row
