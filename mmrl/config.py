@@ -146,6 +146,9 @@ class AlgoConfig:
     kl_reference: str = "base"    # the KL's reference: base (the frozen initial model) | ema (the EMA of the trained
                                   # weights, train.ema_decay, which evaluation also uses)
     nft_beta: float = 1.0         # DiffusionNFT (policy_loss=nft): how far the implicit policies sit from v_old
+    tis_cap: float = 0.0          # truncated importance sampling (token policies): each action's loss times
+                                  # min(pi_old / pi_engine, tis_cap), pi_engine the sampling engine's own log-prob
+                                  # (vLLM, bf16 decoding); 0 = off; typical 2
     weighting: str = "none"       # WEIGHTINGS key, or keys joined by "+" whose weights multiply (tempflow+guard_dt)
     ratio: str = "none"           # RATIO_TRANSFORMS key: none | gspo (sequence-level ratio)
     reward_shaping: str = "none"  # REWARD_SHAPINGS key applied before advantages: none | tempsamp
@@ -182,6 +185,9 @@ class TrainConfig:
     threads: int = 0              # torch CPU threads; 0 = leave torch's default
     time_budget_min: float = 0.0  # stop after this many minutes of training (0 = no limit)
     parallel: str = "none"        # several processes (torchrun / accelerate launch): ddp | fsdp (FSDP2 fully_shard)
+    context_parallel: int = 1     # flow video DiTs: ranks that split one forward's video tokens (diffusers' context
+                                  # parallelism); the world is dp x cp, whole groups go to the dp ranks
+    cp_kind: str = "ulysses"      # ulysses (all-to-all of heads) | ring (K/V rotation; flash-type GPU backends)
     mixed_precision: str = "no"   # bf16: training forward in bf16 (autocast; FSDP: bf16 params, fp32 reduction) | no
     gradient_checkpointing: bool = False  # recompute activations in backward (the trained transformer / LM)
     micro_batch: int = 0          # rows per model forward, bounding peak memory: in training (flow: transitions,
@@ -255,7 +261,13 @@ class Config:
         _choice("reward.on_error", self.reward.on_error, ("skip", "raise"))
         _choice("train.parallel", self.train.parallel, ("none", "ddp", "fsdp"))
         _choice("train.mixed_precision", self.train.mixed_precision, ("no", "bf16"))
+        _choice("train.cp_kind", self.train.cp_kind, ("ulysses", "ring"))
         t = self.train
+        if t.context_parallel < 1:
+            raise ValueError(f"train.context_parallel must be >= 1 (1 = off), got {t.context_parallel}")
+        if t.context_parallel > 1 and policy_kind(self.model.policy) != "flow":
+            raise ValueError("train.context_parallel splits a flow transformer's video tokens; token policies: set "
+                             "train.context_parallel=1")
         if t.group_size < 2:
             raise ValueError(f"train.group_size={t.group_size}: group-relative advantages need >= 2 samples per group")
         for k in ("iterations", "prompts_per_iter", "inner_epochs", "minibatches", "grad_accum"):
@@ -281,6 +293,14 @@ class Config:
             raise ValueError(f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
         if self.algo.clip_range <= 0:
             raise ValueError(f"algo.clip_range must be > 0, got {self.algo.clip_range}")
+        if self.algo.tis_cap < 0 or 0 < self.algo.tis_cap < 1:
+            raise ValueError(f"algo.tis_cap must be 0 (off) or >= 1 (a cap on pi_old / pi_engine), got {self.algo.tis_cap}")
+        if self.algo.tis_cap and policy_kind(self.model.policy) == "flow":
+            raise ValueError("algo.tis_cap corrects a token engine's sampling log-probs; a flow policy's old log-probs "
+                             "are its sampler's own, so there is nothing to correct: set algo.tis_cap=0")
+        if self.algo.tis_cap and self.sampler.engine == "hf":
+            raise ValueError("algo.tis_cap needs the sampling engine's log-probs, which sampler.engine=hf does not record: "
+                             "use sampler.engine=prefix_cache or vllm, or set algo.tis_cap=0")
         if self.algo.sft_coef < 0:
             raise ValueError(f"algo.sft_coef must be >= 0, got {self.algo.sft_coef}")
         if self.algo.sft_coef > 0 and self.algo.offpolicy == "none":

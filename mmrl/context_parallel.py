@@ -82,6 +82,39 @@ def sequence_length(transformer, latent_shape: tuple[int, ...]) -> int:
     return (f // p_t) * (h // p_h) * (w // p_w)
 
 
+def check_model_folder(path: str | None, cp_degree: int, kind: str = "ulysses", sample_size: int | None = None,
+                       num_frames: int | None = None) -> None:
+    """`check_cp` from a diffusers folder's configs alone (before any weight loads): its transformer class has a
+    context-parallel plan, its heads split (Ulysses), and, for Wan-style video latents, the video tokens split.
+    A path without transformer/config.json (the pixel worlds, a hub id) is refused: only diffusers DiTs with a
+    `_cp_plan` run context-parallel."""
+    import json
+    import os
+
+    import diffusers
+
+    cfg_file = os.path.join(path or "", "transformer", "config.json")
+    if not os.path.isfile(cfg_file):
+        raise ValueError(f"train.context_parallel={cp_degree} needs a diffusers pipeline folder with "
+                         f"transformer/config.json (a video DiT such as Wan2.x); {path!r} has none. Set "
+                         f"train.context_parallel=1")
+    with open(cfg_file) as f:
+        tc = json.load(f)
+    cls = getattr(diffusers, tc.get("_class_name", ""), None)
+    if getattr(cls, "_cp_plan", None) is None:
+        raise ValueError(f"{tc.get('_class_name')} has no context-parallel plan in diffusers {diffusers.__version__} "
+                         f"(ModelMixin._cp_plan): set train.context_parallel=1")
+    seq_len = None
+    patch = tc.get("patch_size")
+    if sample_size and isinstance(patch, list) and len(patch) == 3:  # Wan: latents [C, F', H, W]
+        vae_file = os.path.join(path, "vae", "config.json")
+        down = json.load(open(vae_file)).get("temperal_downsample", [False, True, True]) if os.path.isfile(vae_file) \
+            else [False, True, True]
+        frames = ((num_frames or 81) - 1) // 2 ** sum(map(bool, down)) + 1
+        seq_len = (frames // patch[0]) * (sample_size // patch[1]) * (sample_size // patch[2])
+    check_cp(cp_degree, cp_degree, tc.get("num_attention_heads"), seq_len, kind)
+
+
 def build_mesh(cp_degree: int, world_size: int | None = None, device_type: str | None = None) -> DeviceMesh:
     """The (dp, cp) mesh over all ranks, dims named ("dp", "cp"); dp = world_size / cp_degree."""
     world_size = world_size or dist.get_world_size()

@@ -43,17 +43,28 @@ def launched() -> bool:
 def check_parallel_config(cfg, world: int) -> None:
     """Refuse, before any weight loads, what `world` processes cannot run, naming the key and the fix (also run
     by `mmrl validate CONFIG --nproc N`)."""
-    if world <= 1:
-        return
     from mmrl.config import policy_kind
 
     t, kind = cfg.train, policy_kind(cfg.model.policy)
+    cp = t.context_parallel
+    if cp > 1:
+        from mmrl.context_parallel import check_cp, check_model_folder
+
+        if world < cp:
+            raise ValueError(f"train.context_parallel={cp} splits each forward over {cp} processes; launch a multiple "
+                             f"of {cp} (torchrun --nproc_per_node {cp}; mmrl validate CONFIG --nproc {cp}) or set "
+                             f"train.context_parallel=1")
+        check_cp(cp, world, kind=t.cp_kind)
+        check_model_folder(cfg.model.path, cp, t.cp_kind, cfg.model.sample_size, cfg.model.num_frames)
+    if world <= 1:
+        return
     if t.parallel == "none":
         raise ValueError(f"train.parallel=none on {world} processes: every process would train alone. Set "
                          f"train.parallel=ddp (replicated weights) or fsdp (sharded weights)")
-    if t.prompts_per_iter < world:
-        raise ValueError(f"train.prompts_per_iter={t.prompts_per_iter} groups for {world} processes: ranks shard whole "
-                         f"groups, so every rank needs one. Set train.prompts_per_iter >= {world}")
+    if t.prompts_per_iter < world // cp:
+        raise ValueError(f"train.prompts_per_iter={t.prompts_per_iter} groups for {world // cp} data-parallel ranks "
+                         f"({world} processes / train.context_parallel={cp}): ranks shard whole groups, so every rank "
+                         f"needs one. Set train.prompts_per_iter >= {world // cp}")
     if kind != "flow" and cfg.sampler.engine == "vllm":
         raise ValueError("sampler.engine=vllm on several processes: vLLM's engine is built inside each trainer "
                          "process and mmrl does not yet start it with distributed_executor_backend="
@@ -68,9 +79,10 @@ class Distributed:
     """rank / world / device of this process, its groups, and the collectives the trainer needs. world == 1:
     every method is a no-op (or the identity)."""
 
-    def __init__(self, parallel: str = "none"):
+    def __init__(self, parallel: str = "none", context_parallel: int = 1, cp_kind: str = "ulysses"):
         self.parallel = parallel
         self.rank, self.world = 0, 1
+        self.cp, self.cp_kind, self.mesh = context_parallel, cp_kind, None
         self.device = torch.device("cpu")
         self.group = self.cpu_group = None
         self.wrapped: list[torch.nn.Module] = []  # the DDP / FSDP2 modules (gradient sync is switched on them)
@@ -87,6 +99,10 @@ class Distributed:
             # the trained networks' collectives: the default group when it serves this device (NCCL on GPUs, gloo
             # on CPU); else (a default group without a CPU backend while training on CPU, as in the tests) gloo
             self.group = None if _serves(self.device) else self.cpu_group
+            if self.cp > 1:  # (dp, cp) mesh: the cp ranks of one dp row are adjacent and hold the same rows
+                from mmrl.context_parallel import build_mesh
+
+                self.mesh = build_mesh(self.cp, self.world, self.device.type)
         elif launched():
             raise RuntimeError(f"started as one of WORLD_SIZE={os.environ['WORLD_SIZE']} processes with "
                                f"train.parallel=none: every process would train alone. Set train.parallel=ddp or fsdp")
@@ -97,9 +113,19 @@ class Distributed:
     def main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def data_rank(self) -> int:
+        """This rank's data-parallel index: the cp ranks of one mesh row (train.context_parallel) share it."""
+        return self.rank // self.cp
+
+    @property
+    def data_world(self) -> int:
+        """Data-parallel ranks: world / train.context_parallel."""
+        return self.world // self.cp
+
     def share(self, n: int) -> range:
-        """This rank's contiguous share of n items (groups, evaluation examples)."""
-        return range(n * self.rank // self.world, n * (self.rank + 1) // self.world)
+        """This data rank's contiguous share of n items (groups, evaluation examples)."""
+        return range(n * self.data_rank // self.data_world, n * (self.data_rank + 1) // self.data_world)
 
     # ------------------------------------------------------------------------------------------ sampling
     def sample(self, policy, examples: list[dict], group_size: int, gen: torch.Generator, first_group: int = 0):
@@ -109,11 +135,11 @@ class Distributed:
         every forward is a collective, so a rank with fewer groups samples copies of one of its groups (dropped
         afterwards) until every rank samples as many: the same number of forwards everywhere."""
         share = list(self.share(len(examples)))
-        if self.world == 1:
+        if self.data_world == 1:  # one process, or every rank in one cp group: all rows, as one process samples them
             ro = policy.sample(examples, group_size, gen)
             ro.group_id = ro.group_id + first_group
             return ro
-        pad = -(-len(examples) // self.world) - len(share) if self.parallel == "fsdp" else 0
+        pad = -(-len(examples) // self.data_world) - len(share) if self.parallel == "fsdp" else 0
         pad = max(pad, 0 if share else 1)  # a rank without a group of this call still samples one (dropped)
         groups = share + [share[-1] if share else 0] * pad
         if policy.samples_rows:
@@ -135,13 +161,14 @@ class Distributed:
             return x
         return torch.cat([p.to(x.device) for p in self.gather_list([x.detach().cpu()])])
 
-    def gather_list(self, items: list) -> list:
-        """Concatenate every rank's list (picklable items) in rank order."""
+    def gather_list(self, items: list, every_rank: bool = False) -> list:
+        """Concatenate every data rank's list (picklable items) in rank order: the ranks of a cp group hold the
+        same rows, so only its first rank's list is kept (every_rank: all of them)."""
         if self.world == 1:
             return items
         parts = [None] * self.world
         dist.all_gather_object(parts, items, group=self.cpu_group)
-        return [x for part in parts for x in part]
+        return [x for r, part in enumerate(parts) if every_rank or r % self.cp == 0 for x in part]
 
     def broadcast_object(self, obj):
         """Rank 0's `obj` on every rank."""
@@ -185,7 +212,7 @@ class Distributed:
         order = torch.sort(torch.cat([p["group_id"] for p in parts]), stable=True).indices  # rank -> single order
         where = torch.empty_like(order)
         where[order] = torch.arange(len(order))
-        off = sum(len(p["group_id"]) for p in parts[:self.rank])
+        off = sum(len(p["group_id"]) for p in parts[:self.data_rank])
         local_rows = where[off:off + len(real)]
 
         def cat(key):  # every rank's values of `key`, in the single-process order
@@ -224,7 +251,7 @@ class Distributed:
                 f = p.detach().flatten().double()
                 w = torch.arange(1, f.numel() + 1, device=f.device).remainder_(97)
                 v += torch.stack([f.sum(), (f * w).sum()]).cpu()
-        sums = self.gather(v[None])                                          # [world, 2]
+        sums = torch.stack(self.gather_list([v], every_rank=True))          # [world, 2]
         bad = [r for r in range(self.world) if not torch.allclose(sums[r], sums[0], rtol=1e-9, atol=1e-9)]
         if bad:
             raise RuntimeError(f"ranks are out of sync: {what} differ from rank 0's on rank(s) {bad}. Gradients are "

@@ -23,7 +23,7 @@ def evaluate_outputs(generate: Callable[[list[dict], int], object], examples: li
     Returns {key: mean, ..., "n": int, "per_category": {cat: {key: mean, ..., "n": int}}} for every key the
     reward returns ("overall", "strict", ...); categories come from example["category"] when present.
     """
-    world = dist.world if dist is not None else 1
+    world = dist.data_world if dist is not None else 1  # the ranks of a cp group evaluate the same share
     share = dist.share(len(examples)) if world > 1 else range(len(examples))
     width = -(-len(examples) // world)
     mine = list(share) + [share.stop - 1 if len(share) else 0] * (width - len(share))   # example indices

@@ -26,6 +26,7 @@ from mmrl import compose
 from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES,
                              RATIO_TRANSFORMS, REWARD_SHAPINGS, WEIGHTINGS)
 from mmrl.algorithms.offpolicy import injection_diagnostics
+from mmrl.algorithms.weighting import truncated_is
 from mmrl.config import Config, sample_chunk
 from mmrl.data import Rollout, micro_batches
 from mmrl.distributed import Distributed, check_parallel_config, full
@@ -44,12 +45,14 @@ class Trainer:
         self.cfg = compose.check_choices(cfg)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        self.dist = Distributed(cfg.train.parallel)
-        check_parallel_config(cfg, self.dist.world)  # before any weight loads
+        check_parallel_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any weight loads
+        self.dist = Distributed(cfg.train.parallel, cfg.train.context_parallel, cfg.train.cp_kind)
         torch.manual_seed(cfg.train.seed)  # the same initial weights (and LoRA init) on every rank
         self.policy = compose.build_policy(cfg)
         if cfg.train.gradient_checkpointing:
             self.policy.enable_gradient_checkpointing()
+        if self.dist.cp > 1:  # before DDP / FSDP wrap the transformers
+            self.policy.context_parallel(self.dist.mesh, cfg.train.cp_kind)
         if self.dist.world > 1:
             self.policy.dist = self.dist  # policies that must keep ranks in lockstep (FSDP decoding) use it
             self.policy.parallelize(lambda m: self.dist.wrap(m, cfg.train.mixed_precision), cfg.train.parallel)
@@ -267,6 +270,13 @@ class Trainer:
             s["kl"] = kl.detach()
         for name in a.weighting.split("+"):
             loss_a = loss_a * WEIGHTINGS[name](mb, out)
+        if a.tis_cap:  # the engine sampled from its own distribution: reweight towards the trainer's
+            if "rollout_log_prob" not in mb.extras:
+                raise ValueError(f"algo.tis_cap={a.tis_cap}: this policy's sampling engine records no log-probs of its "
+                                 f"own (rollout.extras['rollout_log_prob']); use sampler.engine=prefix_cache or vllm, "
+                                 f"or set algo.tis_cap=0")
+            tis, s["tis_truncated"] = truncated_is(mb.old_log_prob, mb.extras["rollout_log_prob"].to(dev), a.tis_cap)
+            loss_a, s["tis_weight"] = loss_a * tis, tis
         mask = mb.action_mask  # the whole rows' actions normalize the loss; this part's actions carry it
         part = mask if actions is None else mask & actions.to(dev)
         if a.sft_coef > 0:  # supervised anchor: NLL of the injected (off-policy) rows' actions
@@ -285,6 +295,11 @@ class Trainer:
             add("first_ratio_dev", (torch.exp(out.log_prob.detach() - mb.old_log_prob) - 1).abs())
         for k, v in s.items():
             add(k, v)
+        if "rollout_log_prob" in mb.extras:  # the engine's log-probs against the trainer's old ones (TIS's ratio)
+            known = torch.isfinite(mb.extras["rollout_log_prob"]).to(dev) & part
+            if known.any():
+                dev_ = (torch.exp(mb.old_log_prob - mb.extras["rollout_log_prob"].to(dev)) - 1).abs()
+                stats.setdefault("engine_ratio_dev", []).append((dev_[known].sum().item(), int(known.sum())))
         add("approx_kl", 0.5 * (out.log_prob.detach() - mb.old_log_prob) ** 2)
         for k, v in out.stats.items():  # per-action policy statistics, e.g. token entropy
             if v.shape == out.log_prob.shape:

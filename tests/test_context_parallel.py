@@ -85,3 +85,85 @@ def test_ring_attention_does_not_run_on_cpu_in_diffusers(tmp_path):
     (SDPA) backend, the only cp backend on CPU, refuses."""
     got = run_worker(tmp_path / "ring.json", "--kind", "ring", "--unguarded")
     assert got["error"] == "ValueError: Native attention does not support return_lse=True"
+
+
+# ------------------------------------------------------------------------------------- through the trainer
+MATRIX = os.path.join(ROOT, "tests/workers/dist_matrix.py")
+WAN_TASK = ["task.name=motion", "reward.name=temporal_consistency", "model.sample_size=4", "model.num_frames=5",
+            "sampler.shift=3.0", "task.eval_prompts=5"]
+
+
+@pytest.fixture(scope="module")
+def wan_folders(tmp_path_factory):
+    from mmrl.models.tiny_pipelines import build_tiny_wan_pipeline
+
+    root = tmp_path_factory.mktemp("cp_wan")
+    build_tiny_wan_pipeline().save_pretrained(str(root / "wan21"))
+    build_tiny_wan_pipeline(two_experts=True).save_pretrained(str(root / "wan22"))
+    return root
+
+
+def train(model, out, parallel, features, procs, *extra):
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] \
+        if procs > 1 else [sys.executable]
+    flags = [x for x in extra if x.startswith("--")]
+    r = subprocess.run([*launch, MATRIX, str(model), str(out), "--parallel", parallel, "--features", features, *flags,
+                        "--set", *WAN_TASK, *[x for x in extra if x not in flags]], cwd=ROOT, env={**ENV, "ACCELERATE_USE_CPU": "true"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def max_diff(a, b) -> float:
+    from safetensors.torch import load_file
+
+    x, y = load_file(a), load_file(b)
+    assert x.keys() == y.keys()
+    return max((x[k] - y[k]).abs().max().item() for k in x)
+
+
+def test_the_trainer_with_context_parallelism_ends_where_one_process_ends(wan_folders, tmp_path):
+    """train.context_parallel=2 on a tiny Wan2.1 (full fine-tuning, micro-batches, LoRA, KL to a frozen copy,
+    BranchGRPO trees) and Wan2.2 A14B's two experts: 2 iterations under DDP and FSDP2 on 2 processes (one cp group)
+    and under DDP on 4 (dp 2 x cp 2) end with the single-process parameters; the sharded evaluation gives the
+    single-process figures. Tolerance 2e-6 in fp32: attention over token chunks and the cp sum of partial
+    gradients round differently (measured up to 1.0e-6)."""
+    features = "plain,micro,lora,kl_base,tree"
+    train(wan_folders / "wan21", tmp_path / "one", "none", features, 1, "--eval")
+    for mode in ("ddp", "fsdp"):
+        train(wan_folders / "wan21", tmp_path / mode, mode, features, 2, "--eval", "train.context_parallel=2")
+    train(wan_folders / "wan21", tmp_path / "dp2cp2", "ddp", "plain,micro", 4, "train.context_parallel=2")
+    diffs = {}
+    for run, feats in (("ddp", features), ("fsdp", features), ("dp2cp2", "plain,micro")):
+        for f in feats.split(","):
+            diffs[f"{run}/{f}"] = max_diff(tmp_path / "one" / f"{f}.safetensors", tmp_path / run / f"{f}.safetensors")
+    one, two = (json.load(open(tmp_path / m / "plain.json")) for m in ("one", "fsdp"))
+    assert two["eval/n"] == one["eval/n"] == 5 and two["eval/overall"] == pytest.approx(one["eval/overall"], abs=1e-4)
+    assert two["reward/overall_mean"] == pytest.approx(one["reward/overall_mean"])
+    train(wan_folders / "wan22", tmp_path / "one22", "none", "plain,kl_base", 1)
+    train(wan_folders / "wan22", tmp_path / "ddp22", "ddp", "plain,kl_base", 2, "train.context_parallel=2")
+    for f in ("plain", "kl_base"):
+        diffs[f"wan22-ddp/{f}"] = max_diff(tmp_path / "one22" / f"{f}.safetensors", tmp_path / "ddp22" / f"{f}.safetensors")
+    print(json.dumps(diffs))
+    assert all(d < 2e-6 for d in diffs.values()), diffs
+
+
+def test_context_parallel_configs_are_refused_before_loading(wan_folders, tmp_path):
+    from mmrl.compose import load_config
+    from mmrl.distributed import check_parallel_config
+
+    def cfg(*over, path=wan_folders / "wan21"):
+        return load_config(None, [f"model.path={path}", "train.parallel=ddp", *WAN_TASK, *over])
+
+    check_parallel_config(cfg("train.context_parallel=2", "train.prompts_per_iter=2"), 4)
+    with pytest.raises(ValueError, match="launch a multiple of 2"):
+        check_parallel_config(cfg("train.context_parallel=2"), 1)
+    with pytest.raises(ValueError, match="2 attention heads over cp_degree 4"):
+        check_parallel_config(cfg("train.context_parallel=4"), 4)
+    with pytest.raises(ValueError, match="video tokens do not split into 2"):  # 1 latent frame x 3 x 3 patches
+        check_parallel_config(cfg("train.context_parallel=2", "model.sample_size=6", "model.num_frames=1"), 2)
+    with pytest.raises(ValueError, match="prompts_per_iter=1 groups for 2 data-parallel ranks"):
+        check_parallel_config(cfg("train.context_parallel=2", "train.prompts_per_iter=1", "train.group_size=4"), 4)
+    with pytest.raises(ValueError, match="needs a diffusers pipeline folder with transformer/config.json"):
+        check_parallel_config(cfg("train.context_parallel=2", path=tmp_path), 2)
+    with pytest.raises(ValueError, match="token policies: set train.context_parallel=1"):
+        load_config(None, ["model.policy=vlm", "train.context_parallel=2"])

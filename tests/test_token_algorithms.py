@@ -175,3 +175,56 @@ def test_shuffled_frames_reach_the_model_and_tgrpo_trains(tiny_vl, tiny_world, t
                        tr.policy.encode_prompt({**ex, "shuffle_frames": 3})["pixel_values_videos"])
     metrics = tr.step(0)
     assert "contrast/reward_mean" in metrics and metrics["train/optimizer_steps"] == 2
+
+
+# --------------------------------------------------------------------- truncated importance sampling (engines)
+def test_truncated_is_by_hand():
+    """w = min(pi_old / pi_engine, cap); an action without an engine log-prob (NaN) keeps weight 1."""
+    from mmrl.algorithms.weighting import truncated_is
+
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.3]]))
+    engine = torch.log(torch.tensor([[0.25, 0.4, float("nan")]]))
+    w, cut = truncated_is(old, engine, cap=1.5)
+    torch.testing.assert_close(w, torch.tensor([[1.5, 0.5, 1.0]]))   # raw 2.0 -> 1.5, 0.5, NaN -> 1
+    assert cut.tolist() == [[True, False, False]]
+
+
+def test_prefix_cache_engine_log_probs_and_tis_in_training(tiny_vl, tiny_world, tmp_path):
+    """The prefix-cache engine keeps the log-prob of every token it samples: equal to the policy's own (fp32, same
+    weights), so TIS weights are 1 and engine_ratio_dev ~0; engine log-probs made 2x likelier than the trainer's
+    halve the loss (capped weights below 1 scale the gradient), and injected rows carry none (NaN)."""
+    from mmrl.compose import load_config
+    from mmrl.trainer import Trainer
+
+    def trainer(out, *over):
+        torch.manual_seed(0)
+        return Trainer(load_config("configs/tiny/vlm_smoke.yaml", [
+            f"model.path={tiny_vl}", f"task.kwargs.root={tiny_world}", "task.kwargs.train_videos=6",
+            "task.kwargs.test_videos=3", "train.minibatches=1", f"log.out_dir={tmp_path / out}",
+            "log.tensorboard=false", *over]))
+
+    tr = trainer("a", "algo.tis_cap=2")
+    exs = tr.task.sample(2, random.Random(0))
+    tr.policy.defer_old_log_prob = False
+    ro = tr.policy.sample(exs, 3, torch.Generator().manual_seed(0))
+    engine = ro.extras["rollout_log_prob"]
+    known = ro.action_mask & torch.isfinite(engine)
+    assert known.sum() == ro.action_mask.sum()                   # every sampled token has one
+    assert (engine[known] - ro.old_log_prob[known]).abs().max() < 1e-4
+    injected = tr.policy.replace_outputs(ro, torch.tensor([0]), ["<answer>1.0 to 2.0</answer>"])
+    assert torch.isnan(injected.extras["rollout_log_prob"][0]).all()
+    adv = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.7, -1.0])
+    grads = []
+    for shift in (0.0, math.log(2.0)):  # the engine's log-probs as they are, then 2x likelier: w = 1/2
+        t = trainer(f"b{shift}", "algo.tis_cap=2")
+        t.opt.step, t.opt.zero_grad = (lambda: None), (lambda set_to_none=True: None)
+        r = ro.select(torch.arange(6))
+        r.extras["rollout_log_prob"] = r.extras["rollout_log_prob"] + shift
+        m = t.optimize(r, adv)
+        grads.append([p.grad.clone() for p in t.params])
+        assert m["train/tis_weight"] == pytest.approx(1.0 if shift == 0 else 0.5, abs=1e-3)
+        assert m["train/engine_ratio_dev"] == pytest.approx(0.0 if shift == 0 else 0.5, abs=1e-3)
+    scale = max(g.abs().max().item() for g in grads[0])
+    assert scale > 0 and max((a - 2 * b).abs().max().item() for a, b in zip(*grads)) < 1e-4 * scale
+    with pytest.raises(ValueError, match="sampler.engine=hf does not record"):
+        load_config("configs/tiny/vlm_smoke.yaml", [f"model.path={tiny_vl}", "sampler.engine=hf", "algo.tis_cap=2"])

@@ -17,6 +17,17 @@ def none(rollout, out):
     return torch.ones_like(out.log_prob)
 
 
+def truncated_is(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, cap: float):
+    """Truncated importance sampling for a sampling engine whose log-probs differ from the trainer's (Yao et al.
+    2025, "Your efficient RL framework secretly brings you off-policy RL training"; docs/algorithms.md):
+    w = min(exp(old_log_prob - rollout_log_prob), cap), with old_log_prob the trainer's under the rollout's weights
+    and rollout_log_prob the engine's for the token it sampled. Actions without an engine log-prob (NaN: injected
+    rows, padding) get w = 1. Returns (w, truncated) [n, A], both without gradient."""
+    known = torch.isfinite(rollout_log_prob)
+    raw = torch.exp(old_log_prob.detach() - torch.where(known, rollout_log_prob, old_log_prob.detach()))
+    return raw.clamp(max=cap), known & (raw > cap)
+
+
 @WEIGHTINGS.register("guard_dt")
 def guard_dt(rollout, out):
     """GRPO-Guard gradient reweighting: step t's loss times 1 / (-dt_t) (Flow-GRPO form), which evens out the

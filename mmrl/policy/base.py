@@ -37,6 +37,10 @@ class Policy(Protocol):
     def parallelize(self, wrap, parallel: str) -> None:
         """Route every forward of the trained networks through `wrap(module)` (DDP / FSDP2)."""
 
+    def context_parallel(self, mesh, kind: str) -> None:
+        """train.context_parallel: split every forward of the trained networks' sequence over mesh["cp"]."""
+        raise ValueError(f"{type(self).__name__} has no context parallelism: set train.context_parallel=1")
+
     def enable_gradient_checkpointing(self) -> None: ...
 
     def sync_weights(self) -> None:

@@ -335,6 +335,14 @@ class FlowPolicy(PolicyDefaults):
         if parallel == "fsdp" and self._ref_copy is not None and not self.offload:
             self._ref_copy = {name: wrap(ref) for name, ref in self._ref_copy.items()}
 
+    def context_parallel(self, mesh, kind: str) -> None:
+        """Each transformer (and a frozen KL reference copy) runs its calls split over the mesh's cp ranks through
+        diffusers' context parallelism (mmrl/context_parallel.py); every rank of a cp group passes the same rows."""
+        from mmrl.context_parallel import enable_context_parallel
+
+        for tr in [tr for _, tr in self.experts()] + list((self._ref_copy or {}).values()):
+            enable_context_parallel(tr, mesh["cp"].size(), mesh, kind)
+
     def enable_gradient_checkpointing(self) -> None:
         for _, tr in self.experts():
             tr.enable_gradient_checkpointing()

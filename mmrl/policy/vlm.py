@@ -196,30 +196,44 @@ class TokenPolicy(PolicyDefaults):
         examples = self._usable(examples)
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
         params = SamplingParams(self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p, group_size)
-        completions = self._generate([self.encode_prompt(ex) for ex in examples], params, seed)  # [N, C]
+        completions, engine_lp = self._generate([self.encode_prompt(ex) for ex in examples], params, seed)  # [N, C]
         rows = [ex for ex in examples for _ in range(group_size)]
-        return self._rollout(rows, completions, group_ids(len(examples), group_size))
+        return self._rollout(rows, completions, group_ids(len(examples), group_size), engine_lp=engine_lp)
 
     def _rollout(self, rows: list[dict], completions: torch.Tensor, gid: torch.Tensor,
-                 is_offpolicy: torch.Tensor | None = None) -> Rollout:
+                 is_offpolicy: torch.Tensor | None = None, engine_lp: torch.Tensor | None = None) -> Rollout:
+        """engine_lp [N, C]: the engine's log-prob of each sampled token (NaN where none), kept as
+        extras["rollout_log_prob"] for algo.tis_cap and the rollout/engine_ratio_dev statistic."""
         mask = completion_mask(completions, self.eos_id)
+        extras = {"completion_ids": completions}
+        if engine_lp is not None:
+            extras["rollout_log_prob"] = engine_lp
         ro = Rollout(group_id=gid, old_log_prob=torch.zeros(completions.shape, dtype=torch.float32),
                      action_mask=mask, examples=rows, outputs=self.decode(completions),
-                     extras={"completion_ids": completions}, is_offpolicy=is_offpolicy)
+                     extras=extras, is_offpolicy=is_offpolicy)
         if self.defer_old_log_prob:  # the trainer's first forward, under these same weights, fills them
             ro.old_log_prob.fill_(float("nan"))
         else:
             ro.old_log_prob = self.old_log_prob(ro, torch.arange(len(ro)))
         return ro
 
-    def _generate(self, prompts: list[dict], params: SamplingParams, seed: int) -> torch.Tensor:
+    def _generate(self, prompts: list[dict], params: SamplingParams, seed: int):
         """Completions [len(prompts) * G, C] (CPU), generated for micro_batch // G prompts at a time (all at once
-        when micro_batch is 0); chunk c samples with seed + c, and chunks are right-padded to one width."""
+        when micro_batch is 0); chunk c samples with seed + c, and chunks are right-padded to one width. With them
+        the engine's log-probs of the sampled tokens [len(prompts) * G, C] (NaN-padded), or None when the engine
+        keeps none."""
         per = max(1, self.micro_batch // params.group_size) if self.micro_batch else len(prompts)
-        parts = [self.engine.generate(self._collate(prompts[i:i + per]), params, seed + i // per).cpu()
-                 for i in range(0, len(prompts), per)]
+        parts, lps = [], []
+        for i in range(0, len(prompts), per):
+            parts.append(self.engine.generate(self._collate(prompts[i:i + per]), params, seed + i // per).cpu())
+            lps.append(getattr(self.engine, "last_logprobs", None))
         width = max(p.shape[1] for p in parts)
-        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=self.pad_id) for p in parts])
+        ids = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=self.pad_id) for p in parts])
+        if any(lp is None for lp in lps):
+            return ids, None
+        lps = [torch.nn.functional.pad(lp[:, :width].float(), (0, width - min(lp.shape[1], width)), value=float("nan"))
+               for lp in lps]
+        return ids, torch.cat(lps)
 
     def decode(self, completions: torch.Tensor) -> list[str]:
         """Completion texts without the EOS and padding, special tokens (e.g. <answer>) kept."""
@@ -323,9 +337,14 @@ class TokenPolicy(PolicyDefaults):
         mask = torch.zeros(ids.shape, dtype=torch.bool)
         mask[:, :old.shape[1]] = rollout.action_mask
         mask[rows] = completion_mask(ids[rows], self.eos_id)
+        extras = {"completion_ids": ids}
+        if "rollout_log_prob" in rollout.extras:  # the injected rows were not sampled by the engine: NaN (weight 1)
+            lp = torch.full(ids.shape, float("nan"))
+            lp[:, :old.shape[1]] = rollout.extras["rollout_log_prob"]
+            lp[rows] = float("nan")
+            extras["rollout_log_prob"] = lp
         ro = Rollout(group_id=rollout.group_id, old_log_prob=torch.zeros(ids.shape), action_mask=mask,
-                     examples=rollout.examples, outputs=self.decode(ids), extras={"completion_ids": ids},
-                     is_offpolicy=off)
+                     examples=rollout.examples, outputs=self.decode(ids), extras=extras, is_offpolicy=off)
         ro.old_log_prob[:, :old.shape[1]] = rollout.old_log_prob
         ro.old_log_prob[rows] = self.old_log_prob(ro, rows)
         return ro
@@ -385,7 +404,7 @@ class TokenPolicy(PolicyDefaults):
         usable = self._usable(examples) if self.video_on_error == "skip" else examples
         keep = {id(ex) for ex in usable}
         params = SamplingParams(self.cfg.max_new_tokens, 0.0, 1.0, 1)
-        texts = iter(self.decode(self._generate([self.encode_prompt(ex) for ex in usable], params, seed)))
+        texts = iter(self.decode(self._generate([self.encode_prompt(ex) for ex in usable], params, seed)[0]))
         return [next(texts) if id(ex) in keep else "" for ex in examples]
 
     # ---------------------------------------------------------------------------------------- save/load

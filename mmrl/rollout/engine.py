@@ -4,7 +4,9 @@ without the policy or the trainer changing.
 
 An engine takes a left-padded prompt batch (the processor's tensors for B prompts) and returns completion
 token ids [B * G, C] (rows grouped by prompt: prompt b owns rows b*G .. b*G + G - 1), padded with pad_id after
-the first EOS. The policy recomputes every log-prob itself, so an engine returns tokens only.
+the first EOS. The policy recomputes every log-prob itself; an engine that samples from its own numbers may also
+keep the log-prob of each token it sampled in `last_logprobs` [B * G, C] (NaN where none), which the policy puts in
+the rollout for the truncated importance-sampling correction (algo.tis_cap) and the mismatch statistics.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class PrefixCacheEngine:
         # several processes with a sharded model (FSDP): every rank must run the same number of forwards, so a
         # rank that is done keeps decoding (padding) until all are; all_done(bool) -> bool agrees across ranks
         self.all_done = None
+        self.last_logprobs: torch.Tensor | None = None  # [n, C] log-prob of each sampled token (NaN after EOS)
 
     @torch.no_grad()
     def generate(self, batch, params, seed):
@@ -86,10 +89,11 @@ class PrefixCacheEngine:
         try:
             logits, cache, start, mask = self.prefill(batch, rows)                           # [n, V] ...
             done = torch.zeros(len(rows), dtype=torch.bool, device=device)
-            out = []
+            out, lps = [], []
             for k in range(params.max_new_tokens):
                 tok = self._pick(logits, params, gen).masked_fill(done, self.pad_id)          # [n]
                 out.append(tok)
+                lps.append(self._log_prob(logits, tok, params).masked_fill(done, float("nan")))
                 alive = ~done                     # this step's token is real (EOS included)
                 done = done | (tok == self.eos_id)
                 finished = bool(done.all())
@@ -102,7 +106,19 @@ class PrefixCacheEngine:
                                     past_key_values=cache, use_cache=True).logits[:, -1]
         finally:
             self.model.train(was_training)
+        self.last_logprobs = torch.stack(lps, 1).cpu()
         return torch.stack(out, 1)                                                           # [n, C]
+
+    def _log_prob(self, logits, tok, params):
+        """[n] log-prob of `tok` under the distribution the policy scores (temperature, suppressed tokens; not the
+        top-p truncation); NaN when greedy."""
+        if params.temperature == 0:
+            return torch.full(tok.shape, float("nan"), device=tok.device)
+        logits = logits.float()
+        if self.suppress_ids:
+            logits = logits.clone()
+            logits[:, self.suppress_ids] = float("-inf")
+        return torch.log_softmax(logits / params.temperature, -1).gather(1, tok[:, None]).squeeze(1)
 
     def _pick(self, logits, params, gen):
         logits = logits.float()

@@ -3,6 +3,7 @@ model runs k steps (3 prompts x 4 samples, 2 minibatches), in one process or und
 OUT/FEATURE.safetensors (the trained parameters, whole) and OUT/FEATURE.json (the last step's metrics).
 
     python tests/workers/dist_matrix.py MODEL OUT --parallel none|ddp|fsdp --features plain,micro,... [--steps K]
+        [--set KEY=VALUE ...]   (overrides for every feature set)
         [--nccl-like]   (the default group made with init_process_group("cuda:gloo"): no CPU backend, as NCCL)
 
 One launch runs every feature (a process group is set up once): the matrix costs three launches, not thirty.
@@ -34,6 +35,7 @@ FEATURES = {
               "sampler.ode_solver=dpm2m", "sampler.ode_stride=2"],
     "ema_kl": ["train.ema_decay=0.5", "algo.kl_coef=0.1", "algo.kl_reference=ema", "model.reference=auto"],
     "lora": ["model.lora.enabled=true", "model.lora.rank=4"],
+    "kl_base": ["algo.kl_coef=0.1", "model.reference=auto"],              # a frozen copy of the base as reference
     # every feature at once, in the two combinations the config allows (trees sample in one pass: no reward workers)
     "all_tree": ["train.micro_batch=2", "tree.split_steps=[1,2]", "tree.branch=2", "algo.loss_agg=token_mean",
                  "algo.dynamic_sampling=true", "algo.dynamic_sampling_tries=2", *PAIRWISE, "train.ema_decay=0.5",
@@ -52,6 +54,7 @@ def main():
     p.add_argument("--parallel", default="none")
     p.add_argument("--features", default="plain")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--set", nargs="*", default=[], help="overrides for every feature set (e.g. another model / task)")
     p.add_argument("--eval", action="store_true", help="then the held-out evaluation (sharded over the ranks)")
     p.add_argument("--save", action="store_true", help="then a checkpoint (FSDP: gathered on rank 0)")
     p.add_argument("--nccl-like", action="store_true", help="the default process group has no CPU backend, as NCCL: "
@@ -79,7 +82,7 @@ def main():
         cfg = load_config(os.path.join(ROOT, "configs/tiny/flow_smoke.yaml"), [
             f"model.path={args.model}", f"log.out_dir={args.out}/run-{name}-{args.parallel}", "log.tensorboard=false",
             "log.eval_at_start=false", f"train.parallel={args.parallel}", "model.reference=none",
-            "train.minibatches=2", "train.prompts_per_iter=3", "train.group_size=4", *FEATURES[name]])
+            "train.minibatches=2", "train.prompts_per_iter=3", "train.group_size=4", *FEATURES[name], *args.set])
         tr = Trainer(cfg)
         for it in range(args.steps):
             tr.iteration = it  # as Trainer.fit does
