@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--arch", help="a published architecture instead of model.path's config (mmrl/models/architectures.py)")
     pl.add_argument("--prompt-tokens", type=int, default=512, help="token policies: prompt length with media tokens")
     pl.add_argument("--world", type=int, default=1, help="data-parallel processes (each samples whole groups)")
-    pl.add_argument("--cp", type=int, default=1, help="context-parallel ranks per process (video tokens split)")
+    pl.add_argument("--cp", type=int, default=None, help="context-parallel ranks splitting one video's tokens "
+                                                         "(default: the config's train.context_parallel)")
     args, extra = p.parse_known_args(argv)  # `--resume` may come before or after the overrides
     if extra and (args.cmd not in ("train", "plan", "validate") or any(x.startswith("-") or "=" not in x for x in extra)):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -89,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         from mmrl.compose import load_config
         from mmrl.plan import format_plan, plan
 
-        res = plan(load_config(args.config, args.overrides), args.arch, args.prompt_tokens, args.world, args.cp)
+        cfg = load_config(args.config, args.overrides)
+        res = plan(cfg, args.arch, args.prompt_tokens, args.world,
+                   args.cp if args.cp is not None else cfg.train.context_parallel)
         print(format_plan(res))
         print(json.dumps(res))
         return 0

@@ -40,9 +40,9 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def check_parallel_config(cfg, world: int) -> None:
+def check_parallel_config(cfg, world: int, folder: bool = True) -> None:
     """Refuse, before any weight loads, what `world` processes cannot run, naming the key and the fix (also run
-    by `mmrl validate CONFIG --nproc N`)."""
+    by `mmrl validate CONFIG --nproc N`). folder: also read model.path's configs (context parallelism)."""
     from mmrl.config import policy_kind
 
     t, kind = cfg.train, policy_kind(cfg.model.policy)
@@ -55,7 +55,8 @@ def check_parallel_config(cfg, world: int) -> None:
                              f"of {cp} (torchrun --nproc_per_node {cp}; mmrl validate CONFIG --nproc {cp}) or set "
                              f"train.context_parallel=1")
         check_cp(cp, world, kind=t.cp_kind)
-        check_model_folder(cfg.model.path, cp, t.cp_kind, cfg.model.sample_size, cfg.model.num_frames)
+        if folder:
+            check_model_folder(cfg.model.path, cp, t.cp_kind, cfg.model.sample_size, cfg.model.num_frames)
     if world <= 1:
         return
     if t.parallel == "none":

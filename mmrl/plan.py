@@ -290,17 +290,21 @@ def _nbytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def _check_layout(cfg, world: int, cp: int) -> None:
-    """Refuse a layout the run cannot have, naming the fix: the checks a launched run makes (world processes), and
-    context parallelism only for flow transformers."""
+def _check_layout(cfg, world: int, cp: int, folder: bool) -> None:
+    """Refuse a layout the run cannot have, naming the fix: the checks a launched run makes (world x cp processes,
+    train.context_parallel = cp; the model folder's configs when there is one), and context parallelism only for
+    flow transformers."""
+    import dataclasses
+
     if world < 1 or cp < 1:
         raise ValueError(f"--world and --cp must be >= 1, got {world} and {cp}")
     if world * cp > 1 and cfg.train.parallel == "none":
         raise ValueError(f"train.parallel=none on {world * cp} GPUs: every process would train alone. Set "
                          f"train.parallel=ddp (replicated weights) or fsdp (sharded weights)")
-    check_parallel_config(cfg, world)
     if cp > 1 and policy_kind(cfg.model.policy) != "flow":
         raise ValueError("--cp splits a flow transformer's video tokens (mmrl/context_parallel.py); token policies: --cp 1")
+    check_parallel_config(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, context_parallel=cp)),
+                          world * cp, folder=folder)
 
 
 def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int = 1, cp: int = 1) -> dict:
@@ -314,7 +318,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
     Returns:
         sizes in bytes / 2**30 (keys ending in _gib), parameter and row counts, TFLOP per iteration.
     """
-    _check_layout(cfg, world, cp)
+    _check_layout(cfg, world, cp, folder=arch_name is None)
     arch = None
     if arch_name:
         if arch_name not in ARCHITECTURES:

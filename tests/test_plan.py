@@ -112,7 +112,7 @@ def test_layouts_the_run_refuses():
         plan(cfg, world=2)
     with pytest.raises(ValueError, match="prompts_per_iter >= 32"):
         plan(load_config("configs/t2v/motion_grpo.yaml", ["train.parallel=fsdp"]), world=32)
-    with pytest.raises(ValueError, match="no context-parallel plan for SD3Transformer2DModel"):
+    with pytest.raises(ValueError, match="SD3Transformer2DModel has no context-parallel plan"):
         plan(load_config("configs/t2i/shapes_grpo.yaml", ["train.parallel=fsdp"]), cp=2)
 
 
