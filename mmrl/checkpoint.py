@@ -30,6 +30,7 @@ def atomic_dir(path: str):
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".tmp-", dir=parent)
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700: the usual permissions, so teammates can read runs
     try:
         yield tmp
     except BaseException:
@@ -42,6 +43,28 @@ def atomic_dir(path: str):
     os.replace(tmp, path)
     if old:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def remove_stale(folder: str) -> None:
+    """Delete what a save killed half-way left in `folder` (its hidden .NAME.tmp-* / .NAME.old-* folders)."""
+    if os.path.isdir(folder):
+        for d in os.listdir(folder):
+            if d.startswith(".") and (".tmp-" in d or ".old-" in d):
+                shutil.rmtree(os.path.join(folder, d), ignore_errors=True)
+
+
+def checkpoints(folder: str) -> list[str]:
+    """The `iter-N` checkpoint folders under `folder`, newest (highest N) first."""
+    if not os.path.isdir(folder):
+        return []
+    names = [d for d in os.listdir(folder) if d.startswith("iter-") and d[5:].isdigit()]
+    return [os.path.join(folder, d) for d in sorted(names, key=lambda d: -int(d[5:]))]
 
 
 def latest(folder: str) -> str | None:
@@ -68,6 +91,8 @@ def save_trainer(tr) -> str:
     path = os.path.join(tr.cfg.log.out_dir, "checkpoints", f"iter-{tr.iteration:06d}")
     fsdp = tr.dist.world > 1 and tr.cfg.train.parallel == "fsdp"
     main = tr.dist.main
+    if main:
+        remove_stale(os.path.dirname(path))
     tr.dist.reshard()  # FSDP2: parameters a forward left gathered (the root's) go back to their shards first
     params = gather_to(main, tr.params)     # whole CPU copies on rank 0 only (all-gathers under FSDP: every rank)
     ema = gather_to(main, tr.ema.shadow) if tr.ema is not None else None
@@ -89,6 +114,7 @@ def save_trainer(tr) -> str:
             state = {"iteration": tr.iteration, "optimizer": None if fsdp else tr.opt.state_dict(),
                      "params": params, "ema": ema, "torch_rng": torch.get_rng_state(),
                      "elapsed_min": tr.elapsed_min, "timed_evals": json.dumps(tr.timed_evals),
+                     "eval_start": json.dumps(tr.eval_start), "metrics_lines": tr.logger.lines,
                      "world": tr.dist.world, "parallel": tr.cfg.train.parallel}
             torch.save(state, os.path.join(tmp, "trainer_state.pt"))
             with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -100,13 +126,36 @@ def save_trainer(tr) -> str:
     return path
 
 
+def load_state(folder: str) -> tuple[str, dict] | None:
+    """(path, trainer state) of the newest intact checkpoint under `folder`: one whose trainer_state.pt and
+    policy/ load is skipped with a warning naming it and the one used instead; None when there is no checkpoint.
+    Raises when every checkpoint is damaged, naming each and why."""
+    remove_stale(folder)
+    failures = []
+    for path in checkpoints(folder):
+        try:
+            if not os.path.isfile(os.path.join(path, "policy", "mmrl_policy.json")):
+                raise FileNotFoundError("policy/mmrl_policy.json is missing")
+            state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+        except Exception as e:  # a truncated / missing file: try the previous checkpoint
+            failures.append(f"{path}: {type(e).__name__}: {e}")
+            continue
+        if failures:
+            log.warning("damaged checkpoint(s) skipped: %s; resuming from %s instead", "; ".join(failures), path)
+        return path, state
+    if failures:
+        raise RuntimeError("no intact checkpoint to resume from: " + "; ".join(failures) + ". Start a new run "
+                           "(--overwrite, or another log.out_dir)")
+    return None
+
+
 def resume_trainer(tr) -> bool:
-    """Load the latest checkpoint in log.out_dir into trainer `tr` (weights, EMA, optimizer, RNG, iteration,
-    elapsed minutes); False when there is none."""
-    path = latest(os.path.join(tr.cfg.log.out_dir, "checkpoints"))
-    if path is None:
+    """Load the newest intact checkpoint in log.out_dir into trainer `tr` (weights, EMA, optimizer, RNG, iteration,
+    elapsed minutes, the start evaluation) and cut its logs back to that checkpoint; False when there is none."""
+    found = load_state(os.path.join(tr.cfg.log.out_dir, "checkpoints"))
+    if found is None:
         return False
-    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+    path, state = found
     sharded = state["optimizer"] is None
     if sharded and (state.get("world") != tr.dist.world or tr.cfg.train.parallel != "fsdp"):
         raise ValueError(f"{path} was written by an FSDP run on {state.get('world')} processes; its optimizer "
@@ -126,5 +175,7 @@ def resume_trainer(tr) -> bool:
     tr.iteration = state["iteration"]
     tr.elapsed_min = state.get("elapsed_min", 0.0)
     tr.timed_evals = json.loads(state.get("timed_evals", "[]"))
+    tr.eval_start = json.loads(state.get("eval_start", "null"))
+    tr.reopen_logger(resume=(state.get("metrics_lines"), tr.iteration))
     log.info("resumed from %s at iteration %d", path, tr.iteration)
     return True

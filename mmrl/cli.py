@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "train":
         from mmrl.compose import load_config
-        from mmrl.trainer import train
+        from mmrl.runs import train
 
         try:
             cfg = load_config(args.config, args.overrides)

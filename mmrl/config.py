@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -112,7 +113,8 @@ class VideoConfig:
 class TaskConfig:
     name: str = "shapes"          # task registry key (mmrl.task.TASKS)
     split: str = "train"          # texts GRPO trains on (shapes: train texts; held-out never seen)
-    prompt_file: str | None = None  # for name=prompt_file: one prompt per line
+    prompt_file: str | None = None  # for name=prompt_file: .txt (a prompt per line), .jsonl / .csv / .tsv (a prompt
+                                    # field and metadata); or task.kwargs.dataset (docs/extending.md)
     eval_split: str = "heldout"
     eval_prompts: int = 240       # held-out evaluation prompts (balanced over categories)
     kwargs: dict = field(default_factory=dict)  # task-specific options (e.g. grounding: format, annotations ...)
@@ -328,8 +330,9 @@ class Config:
         if self.algo.nft_beta <= 0:
             raise ValueError(f"algo.nft_beta must be > 0, got {self.algo.nft_beta}")
         self._validate_tree()
-        if self.task.name == "prompt_file" and not self.task.prompt_file:
-            raise ValueError("task.name=prompt_file needs task.prompt_file=PATH (a text file, one prompt per line)")
+        if self.task.name == "prompt_file" and not self.task.prompt_file and not self.task.kwargs.get("dataset"):
+            raise ValueError("task.name=prompt_file needs task.prompt_file=PATH (.txt one prompt per line, .jsonl / .csv "
+                             "with a prompt field) or task.kwargs.dataset=NAME_OR_FOLDER (Hugging Face datasets)")
         return self
 
 
@@ -462,7 +465,7 @@ def parse_overrides(items: list[str]) -> dict:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like section.key=value (e.g. train.lr=1e-4)")
         k, v = item.split("=", 1)
-        _set_dotted(out, k.strip(), yaml.safe_load(v) if v != "" else "")
+        _set_dotted(out, k.strip(), yaml.load(v, Loader=Yaml12Loader) if v != "" else "")
     return out
 
 
@@ -479,20 +482,50 @@ def _merge(base: dict, over: dict) -> dict:
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- YAML file (which may name `base: other.yaml`, relative to itself) <- key=value overrides."""
+    """Defaults <- YAML file (which may name `base: other.yaml`, relative to itself) <- key=value overrides.
+    log.out_dir not set by the file itself (a base's does not count) nor an override: runs/<the file's name>, so a
+    config never writes into another config's run folder."""
     data = _load_yaml(path) if path else {}
     data = _merge(data, parse_overrides(overrides or []))
+    if path and "out_dir" not in (_read_yaml(path).get("log") or {}) and \
+            "out_dir" not in (parse_overrides(overrides or []).get("log") or {}):
+        data.setdefault("log", {})["out_dir"] = os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
     return _build(Config, data, "").validate()
 
 
-def _load_yaml(path: str) -> dict:
+class Yaml12Loader(yaml.SafeLoader):
+    """YAML with YAML 1.2's booleans: only true / false. `no`, `yes`, `on`, `off` stay strings (mixed_precision: no)."""
+
+
+Yaml12Loader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                   list("tTfF"))
+
+
+def _read_yaml(path: str) -> dict:
+    """One config file as a mapping (its `base:` not followed); clear errors for a missing, non-UTF-8 or
+    malformed file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file {path!r} does not exist (configs live in configs/, e.g. "
                                 f"configs/t2i/shapes_grpo.yaml)")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.load(f, Loader=Yaml12Loader) or {}
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        raise ValueError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a config file must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _load_yaml(path: str) -> dict:
+    data = _read_yaml(path)
     base = data.pop("base", None)
     if base:
         data = _merge(_load_yaml(os.path.join(os.path.dirname(path), base)), data)

@@ -36,9 +36,10 @@ def _export_flow(checkpoint: str, meta: dict, out: str) -> None:
     import diffusers
 
     from mmrl.models.pixel_t2i import PIPELINE_CLASS
+    from mmrl.policy.base import base_model_path
     from mmrl.policy.flow import _link_base_parts, load_policy_checkpoint
 
-    base = meta["base_model"]
+    base = base_model_path(meta, checkpoint)
     cls = json.load(open(os.path.join(base, "model_index.json")))["_class_name"]
     if cls == PIPELINE_CLASS:  # mmrl's pixel model: merged transformer + the base's text encoder and tokenizer
         model = load_policy_checkpoint(checkpoint)

@@ -21,17 +21,33 @@ def video_strips(videos: torch.Tensor, max_frames: int = 8) -> torch.Tensor:
 
 
 class Logger:
-    def __init__(self, out_dir: str, tensorboard: bool = True, enabled: bool = True):
+    """metrics.jsonl (every scalar, one JSON line per call) and TensorBoard under `out_dir`.
+
+    resume: (lines, step) of the checkpoint a resumed run starts from: metrics.jsonl is cut back to the `lines`
+    lines written before that checkpoint (what a killed run logged after it goes), and TensorBoard drops its
+    events from `step` on (purge_step), then gets the kept lines at or after `step` again (an evaluation logged
+    just before the save). No step is ever logged twice."""
+
+    def __init__(self, out_dir: str, tensorboard: bool = True, enabled: bool = True,
+                 resume: tuple[int, int] | None = None):
         self.jsonl = self.tb = None
+        self.lines = 0  # lines in metrics.jsonl (saved with each checkpoint)
         if not enabled:  # ranks other than 0 of a multi-process run log nothing
             return
         os.makedirs(out_dir, exist_ok=True)
-        self.jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a")
-        self.tb = None
+        path = os.path.join(out_dir, "metrics.jsonl")
+        kept = _truncate_lines(path, resume[0], resume[1]) if resume else []
+        self.lines = len(kept) if resume else _count_lines(path)
+        self.jsonl = open(path, "a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(out_dir, "tb"))
+            self.tb = SummaryWriter(os.path.join(out_dir, "tb"), purge_step=resume[1] if resume else None)
+            for row in kept:
+                if row.get("step", -1) >= resume[1]:
+                    for k, v in row.items():
+                        if k not in ("step", "time"):
+                            self.tb.add_scalar(k, v, row["step"])
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.jsonl is None:
@@ -39,6 +55,7 @@ class Logger:
         values = {k: float(v) for k, v in values.items()}
         self.jsonl.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
         self.jsonl.flush()
+        self.lines += 1
         if self.tb:
             for k, v in values.items():
                 self.tb.add_scalar(k, v, step)
@@ -81,6 +98,28 @@ class Logger:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+
+
+def _count_lines(path: str) -> int:
+    if not os.path.isfile(path):
+        return 0
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def _truncate_lines(path: str, n: int | None, step: int) -> list[dict]:
+    """Cut the JSONL file at `path` back to its first n lines (a partial last line of a killed run goes too);
+    n None (a checkpoint from before the count was saved): the lines logged before `step`. Returns them parsed."""
+    if not os.path.isfile(path):
+        return []
+    with open(path, "rb") as f:
+        lines = [ln for ln in f.readlines() if ln.endswith(b"\n")]
+    lines = lines[:n] if n is not None else [ln for ln in lines if json.loads(ln).get("step", 0) < step]
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.writelines(lines)
+    os.replace(tmp, path)
+    return [json.loads(ln) for ln in lines]
 
 
 class Timer:

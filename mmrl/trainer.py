@@ -11,7 +11,6 @@ logging, checkpoints) is shared by every policy.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -72,6 +71,7 @@ class Trainer:
         self.iteration = 0
         self.watch = SignalWatch(cfg.reward, cfg.task.name, cfg.train.zero_signal_patience)
         self.timed_evals: list[dict] = []
+        self.eval_start: dict | None = None  # the base model's held-out figures (kept across a resume)
         self.elapsed_min = 0.0  # training minutes so far (saved: a resumed run keeps its budget and lr schedule)
         # One optimizer step per epoch: every row's first forward runs under the sampling weights, so the
         # rollout's old log-probs are that forward's (detached) values; policies that must pay an extra
@@ -86,7 +86,9 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         results = {}
         if cfg.log.eval_at_start and self.iteration == 0:
-            results["eval_start"] = self.evaluate(0)
+            self.eval_start = self.evaluate(0)
+        if self.eval_start is not None:
+            results["eval_start"] = self.eval_start
         t_start = time.time() - 60 * self.elapsed_min  # a resumed run continues its time budget
         bar = tqdm(range(self.iteration, t.iterations), desc="train", disable=not cfg.log.progress,
                    initial=self.iteration, total=t.iterations)
@@ -332,18 +334,11 @@ class Trainer:
         return ckpt.save_trainer(self)
 
     def resume(self) -> bool:
-        """Load the latest checkpoint in log.out_dir; False when there is none."""
+        """Load the newest intact checkpoint in log.out_dir; False when there is none."""
         return ckpt.resume_trainer(self)
 
+    def reopen_logger(self, resume: tuple[int | None, int]) -> None:
+        """The logs cut back to a checkpoint (metrics.Logger's `resume`)."""
+        self.logger.close()
+        self.logger = Logger(self.cfg.log.out_dir, self.cfg.log.tensorboard, enabled=self.dist.main, resume=resume)
 
-def train(cfg: Config, resume: bool = False) -> dict:
-    trainer = Trainer(cfg)
-    os.makedirs(cfg.log.out_dir, exist_ok=True)
-    if trainer.dist.main:  # one writer
-        with open(os.path.join(cfg.log.out_dir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
-    if resume and not trainer.resume():
-        log.warning("--resume: no checkpoint in %s/checkpoints; starting from scratch", cfg.log.out_dir)
-    results = trainer.fit()
-    trainer.dist.close()
-    return results

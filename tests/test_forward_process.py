@@ -203,7 +203,7 @@ def test_new_configs_train_two_iterations(tiny_pixel_model, tmp_path, config):
     held-out evaluations at the start and the end (the GPU configs run in scripts/gpu_check.py --device cpu)."""
     import os
 
-    from mmrl.trainer import train
+    from mmrl.runs import train
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config(os.path.join(root, "configs", "t2i", config + ".yaml"), [

@@ -29,7 +29,7 @@ LAYERS = [
     # 4 composition: config names -> objects; checkpoint files
     ["mmrl.compose", "mmrl.checkpoint"],
     # 5 the loop, the reward server
-    ["mmrl.trainer", "mmrl.reward_server"],
+    ["mmrl.trainer", "mmrl.reward_server", "mmrl.runs"],
     # 6 tools on top of the loop
     ["mmrl.plan", "mmrl.export", "mmrl.testing.memory", "mmrl.testing.contract", "mmrl.eval"],
     # 7 the command line

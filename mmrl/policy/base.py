@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator, Protocol, runtime_checkable
 
 import torch
@@ -96,12 +97,28 @@ def write_policy_meta(path: str, policy: str, base_model: str, lora: bool, **mod
     """mmrl_policy.json: which policy wrote the checkpoint folder, its base model, whether it is an adapter,
     and the options the base model was loaded with (e.g. a generator's sample_size)."""
     import json
-    import os
 
     os.makedirs(path, exist_ok=True)
+    base = os.path.abspath(base_model)
     with open(os.path.join(path, "mmrl_policy.json"), "w") as f:
-        json.dump({"policy": policy, "base_model": os.path.abspath(base_model), "lora": lora,
+        json.dump({"policy": policy, "base_model": base, "lora": lora,
+                   "base_model_relative": os.path.relpath(base, os.path.abspath(path)),
                    "model_options": model_options}, f, indent=2)
+
+
+def base_model_path(meta: dict, policy_dir: str) -> str:
+    """The base model folder an mmrl_policy.json names: its absolute path where it exists, else the same folder
+    relative to the policy folder (a project moved or copied whole, a teammate's clone); else an error naming
+    both places."""
+    base = meta["base_model"]
+    if os.path.exists(base):
+        return base
+    rel = meta.get("base_model_relative")
+    if rel and os.path.exists(os.path.join(policy_dir, rel)):
+        return os.path.normpath(os.path.join(policy_dir, rel))
+    where = f" nor at {os.path.normpath(os.path.join(policy_dir, rel))!r} (relative to the checkpoint)" if rel else ""
+    raise FileNotFoundError(f"{policy_dir}: its base model is neither at {base!r}{where}. Put the base model "
+                            f"back there, or edit base_model in {os.path.join(policy_dir, 'mmrl_policy.json')}")
 
 
 PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before module names

@@ -24,8 +24,8 @@ from mmrl.algorithms.losses import objective
 from mmrl.cache import BoundedCache
 from mmrl.config import sample_chunk
 from mmrl.data import PolicyOutput, Rollout, group_ids
-from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, save_lora_adapter, upcast_trainable,
-                              write_policy_meta)
+from mmrl.policy.base import (PolicyDefaults, base_model_path, load_lora_adapter, reference_kind, save_lora_adapter,
+                              upcast_trainable, write_policy_meta)
 from mmrl.models.flow_model import EXPERTS, FlowModel, sigma_schedule
 from mmrl.models.pipelines import load_flow_model
 from mmrl.rollout.tree import run_tree, trained_steps
@@ -456,7 +456,7 @@ def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:
         return load_flow_model(path, device=device)
     from peft import LoraConfig
 
-    model = load_flow_model(meta["base_model"], device=device, **options)
+    model = load_flow_model(base_model_path(meta, path), device=device, **options)
     for name in EXPERTS:
         tr = getattr(model, name, None)
         if tr is None:

@@ -24,8 +24,8 @@ import os
 
 import torch
 from mmrl.data import PolicyOutput, Rollout, group_ids
-from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, save_lora_adapter, upcast_trainable,
-                              write_policy_meta)
+from mmrl.policy.base import (PolicyDefaults, base_model_path, load_lora_adapter, reference_kind, save_lora_adapter,
+                              upcast_trainable, write_policy_meta)
 from mmrl.rollout.engine import HFEngine, PrefixCacheEngine, SamplingParams, completion_mask
 from mmrl.cache import BoundedCache
 from mmrl.config import sample_chunk
@@ -469,7 +469,7 @@ def load_token_policy(path: str, video: VideoOptions | None = None, video_on_err
 
     meta_file = os.path.join(path, "mmrl_policy.json")
     meta = json.load(open(meta_file)) if os.path.isfile(meta_file) else {"lora": False}
-    model, processor = load_token_model(meta["base_model"] if meta["lora"] else path)
+    model, processor = load_token_model(base_model_path(meta, path) if meta["lora"] else path)
     if meta["lora"]:
         from peft import PeftModel
 
