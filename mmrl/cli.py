@@ -1,11 +1,16 @@
 """The command line:
-    mmrl train CONFIG [--resume] [key=value ...]        train (mmrl/trainer.py)
-    mmrl eval CONFIG [CHECKPOINT ...] [key=value ...]   the config's held-out benchmark (mmrl/eval.py)
-    mmrl validate CONFIG [key=value ...] [--nproc N]    check a config and every name in it (and that N processes
-                                                        can run it), build nothing
-    mmrl plan CONFIG [--world N] [--cp D] [key=value ...]  memory and FLOPs per GPU at real size (mmrl/plan.py)
-    mmrl export CHECKPOINT OUT                          a merged model folder (mmrl/export.py)
-    mmrl serve-reward NAME [--kwargs JSON] [--port P]   a reward over HTTP (mmrl/reward_server.py)"""
+    mmrl train CONFIG [--resume | --overwrite] [key=value ...]   train (mmrl/runs.py, mmrl/trainer.py)
+    mmrl eval CONFIG [RUN|CHECKPOINT ...] [key=value ...]        the config's held-out benchmark (mmrl/eval.py)
+    mmrl sample CONFIG [RUN|CHECKPOINT ...] [--prompts ...]      images / videos and a contact sheet (mmrl/sample.py)
+    mmrl validate CONFIG [key=value ...] [--nproc N]             every check that needs no weights (mmrl/preflight.py)
+    mmrl plan CONFIG [--world N] [--cp D] [key=value ...]        memory and FLOPs per GPU at real size (mmrl/plan.py)
+    mmrl export CHECKPOINT OUT                                   a merged model folder (mmrl/export.py)
+    mmrl serve-reward NAME [--kwargs JSON] [--port P]            a reward over HTTP (mmrl/reward_server.py)
+
+Options may come anywhere on the line. A user error (a bad config, a missing file, a run folder in use) prints one
+message naming the fix and exits with status 2; `--debug` (or MMRL_DEBUG=1) shows the traceback instead. The
+working directory and the config file's folder are importable, so `reward.name: my_rewards:score` finds
+my_rewards.py in either."""
 
 from __future__ import annotations
 
@@ -14,24 +19,35 @@ import json
 import logging
 import os
 import sys
+import time
+
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError, ImportError, UnicodeDecodeError)
 
 
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+def parser() -> argparse.ArgumentParser:
+    from mmrl.models.architectures import ARCHITECTURES
+
     p = argparse.ArgumentParser(prog="mmrl", description="Group-relative RL for generators and (video) LLMs.")
+    p.add_argument("--version", action="version", version=f"mmrl {version()}")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error (also MMRL_DEBUG=1)")
     sub = p.add_subparsers(dest="cmd", required=True)
     tr = sub.add_parser("train", help="run GRPO from a YAML config")
-    tr.add_argument("config", help="YAML config (see configs/)")
+    tr.add_argument("config", help="YAML config (see configs/; configs/quickstart.yaml is a 3-minute first run)")
     tr.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.lr=1e-4")
-    tr.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in log.out_dir")
+    tr.add_argument("--resume", action="store_true", help="continue the run in log.out_dir (newest intact checkpoint)")
+    tr.add_argument("--overwrite", action="store_true", help="delete the run in log.out_dir and start over")
     ev = sub.add_parser("eval", help="score the base model and checkpoints on the config's held-out benchmark")
     ev.add_argument("config", help="YAML config: its task, reward and base model")
-    ev.add_argument("rest", nargs="*", metavar="CHECKPOINT|key=value",
-                    help="trainer checkpoints (runs/NAME/checkpoints/iter-N), policy or model folders; overrides")
-    ev.add_argument("--seed", type=int, default=0, help="example i uses seed SEED + i")
+    ev.add_argument("rest", nargs="*", metavar="RUN|CHECKPOINT|key=value",
+                    help="run folders (runs/NAME: newest checkpoint), trainer checkpoints (runs/NAME/checkpoints/"
+                         "iter-N), policy or model folders; overrides")
+    ev.add_argument("--seed", type=int, default=None, help="example i uses seed SEED + i (default: the trainer's "
+                                                           "evaluation seed, so the figures match a run's eval/)")
     ev.add_argument("--no-base", action="store_true", help="skip the config's base model")
-    va = sub.add_parser("validate", help="check a config: keys, types, values and every registry name")
+    from mmrl.sample import add_parser as add_sample
+
+    add_sample(sub)
+    va = sub.add_parser("validate", help="check a config and everything it names, without loading weights")
     va.add_argument("config")
     va.add_argument("overrides", nargs="*")
     va.add_argument("--nproc", type=int, default=1, help="also check it runs on this many processes (torchrun)")
@@ -50,73 +66,109 @@ def main(argv: list[str] | None = None) -> int:
     pl = sub.add_parser("plan", help="parameters, memory and FLOPs of a config at real size (meta device, no weights)")
     pl.add_argument("config")
     pl.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.micro_batch=4")
-    pl.add_argument("--arch", help="a published architecture instead of model.path's config (mmrl/models/architectures.py)")
+    pl.add_argument("--arch", choices=sorted(ARCHITECTURES), metavar="ARCH",
+                    help="a published architecture instead of model.path's config: " + ", ".join(sorted(ARCHITECTURES)))
     pl.add_argument("--prompt-tokens", type=int, default=512, help="token policies: prompt length with media tokens")
     pl.add_argument("--world", type=int, default=1, help="data-parallel processes (each samples whole groups)")
     pl.add_argument("--cp", type=int, default=None, help="context-parallel ranks splitting one video's tokens "
                                                          "(default: the config's train.context_parallel)")
-    args, extra = p.parse_known_args(argv)  # `--resume` may come before or after the overrides
-    if extra and (args.cmd not in ("train", "plan", "validate") or any(x.startswith("-") or "=" not in x for x in extra)):
-        p.error(f"unrecognized arguments: {' '.join(extra)}")
-    if extra:
+    return p
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as v
+
+        return v("mmrl")
+    except Exception:  # not installed (run from a clone)
+        return "0.1.0"
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # accepted anywhere on the line
+    p = parser()
+    args, extra = p.parse_known_args([a for a in argv if a != "--debug"])
+    args.debug = debug  # options may come before or after positionals and overrides
+    if any(x.startswith("-") for x in extra):
+        p.error(f"unrecognized arguments: {' '.join(x for x in extra if x.startswith('-'))}")
+    if args.cmd == "eval":
+        args.rest += extra
+    elif extra and args.cmd in ("train", "plan", "validate", "sample") and all("=" in x for x in extra):
         args.overrides += extra
+    elif extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for folder in (os.getcwd(), os.path.dirname(os.path.abspath(getattr(args, "config", None) or "."))):
+        if folder not in sys.path:  # plugins (reward.name: my_rewards:fn) beside the user or the config
+            sys.path.insert(0, folder)
+    try:
+        return run(args)
+    except USER_ERRORS as e:
+        if args.debug or os.environ.get("MMRL_DEBUG"):
+            raise
+        msg = str(e)[1:-1] if isinstance(e, KeyError) and str(e).startswith(("'", '"')) else str(e)
+        print(f"mmrl {args.cmd}: error: {msg}\n(--debug shows the traceback)", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    from mmrl.compose import load_config
+
     if args.cmd == "serve-reward":
         from mmrl.reward_server import serve_main
 
         return serve_main(args)
-    if args.cmd in ("eval", "validate"):
-        from mmrl.compose import load_config
-        from mmrl.eval import eval_main
-
-        if args.cmd == "eval":
-            args.overrides = [x for x in args.rest if "=" in x and not os.path.exists(x)]
-            args.checkpoints = [x for x in args.rest if x not in args.overrides]
-        try:
-            cfg = load_config(args.config, args.overrides)
-            if args.cmd == "validate":
-                from mmrl.distributed import check_parallel_config
-
-                check_parallel_config(cfg, args.nproc)
-        except (ValueError, FileNotFoundError) as e:
-            print(f"mmrl: config error: {e}", file=sys.stderr)
-            return 2
-        if args.cmd == "validate":
-            print(f"{args.config}: valid (model.policy={cfg.model.policy}, task.name={cfg.task.name}, "
-                  f"reward.name={cfg.reward.name}" + (f", {args.nproc} processes" if args.nproc > 1 else "") + ")")
-            return 0
-        return eval_main(args, cfg)
-    if args.cmd == "plan":
-        from mmrl.compose import load_config
-        from mmrl.plan import format_plan, plan
-
-        cfg = load_config(args.config, args.overrides)
-        res = plan(cfg, args.arch, args.prompt_tokens, args.world,
-                   args.cp if args.cp is not None else cfg.train.context_parallel)
-        print(format_plan(res))
-        print(json.dumps(res))
-        return 0
     if args.cmd == "export":
         from mmrl.export import export
 
         print(export(args.checkpoint, args.out))
         return 0
-    if args.cmd == "train":
-        from mmrl.compose import load_config
+    if args.cmd == "sample":
+        from mmrl.sample import run as sample
+
+        return sample(args)
+    if args.cmd == "eval":
+        args.overrides = [x for x in args.rest if "=" in x and not os.path.exists(x)]
+        args.checkpoints = [x for x in args.rest if x not in args.overrides]
+    if args.cmd == "train" and not sys.stderr.isatty() and not any(o.startswith("log.progress=") for o in args.overrides):
+        args.overrides.append("log.progress=false")  # a log file: one line per iteration, no bar control characters
+    cfg = load_config(args.config, args.overrides)
+    if args.cmd == "plan":
+        from mmrl.plan import format_plan, plan
+
+        res = plan(cfg, args.arch, args.prompt_tokens, args.world,
+                   args.cp if args.cp is not None else cfg.train.context_parallel)
+        print(format_plan(res))
+        print(json.dumps(res))
+        return 0
+    if args.cmd in ("validate", "train"):
+        from mmrl import preflight
+
+        t0 = time.time()
+        problems = preflight.check(cfg, getattr(args, "nproc", int(os.environ.get("WORLD_SIZE", "1"))), args.config)
+        if problems:
+            print(f"mmrl {args.cmd}: {args.config}: {len(problems)} problem(s):\n" +
+                  "\n".join(f"  - {x}" for x in problems), file=sys.stderr)
+            return 2
+        if args.cmd == "validate":
+            print(f"{args.config}: valid (model.policy={cfg.model.policy}, task.name={cfg.task.name}, reward.name="
+                  f"{cfg.reward.name}" + (f", {args.nproc} processes" if args.nproc > 1 else "") +
+                  f"; checked in {time.time() - t0:.1f} s)")
+            return 0
         from mmrl.runs import train
 
-        try:
-            cfg = load_config(args.config, args.overrides)
-            if args.cmd == "validate":
-                from mmrl.distributed import check_parallel_config
-
-                check_parallel_config(cfg, args.nproc)
-        except (ValueError, FileNotFoundError) as e:
-            print(f"mmrl: config error: {e}", file=sys.stderr)
-            return 2
-        res = train(cfg, resume=args.resume)
-        print(json.dumps({k: v for k, v in res.items()}, default=str))
+        res = train(cfg, resume=args.resume, overwrite=args.overwrite)
+        print(json.dumps(res, default=str))
         return 0
+    if args.cmd == "eval":
+        from mmrl.eval import eval_main
+        from mmrl.evaluation import EVAL_SEED
+
+        args.seed = EVAL_SEED if args.seed is None else args.seed
+        return eval_main(args, cfg)
     raise AssertionError(args.cmd)
 
 

@@ -22,7 +22,7 @@ from mmrl.config import Config, TaskConfig, policy_kind
 from mmrl.config import load_config as parse_config
 from mmrl.policy import POLICIES
 from mmrl.registry import Registry
-from mmrl.reward import REWARDS
+from mmrl.reward import REWARDS, FunctionReward, plain_function_args
 from mmrl.rollout.engine import ENGINES
 from mmrl.rollout.pairwise import JUDGES
 from mmrl.rollout.tree import FUSIONS, split_schedule
@@ -115,6 +115,8 @@ def build_judge(name: str, kwargs: dict | None = None, where: str = "judge"):
 
 def _call(registry: Registry, name: str, kwargs: dict, where: str, *args):
     factory = registry[name]
+    if registry is REWARDS and plain_function_args(factory):  # def reward(outputs, examples, **kw): TRL's habit
+        return FunctionReward(factory, **kwargs)
     params = inspect.signature(factory).parameters
     open_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
     valid = sorted(k for k in params if k not in ("self", "cfg", "args", "kwargs"))

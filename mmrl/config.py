@@ -210,6 +210,7 @@ def sample_chunk(t: TrainConfig) -> int:
 class LogConfig:
     out_dir: str = "runs/shapes_grpo"
     tensorboard: bool = True
+    report_to: list = field(default_factory=list)  # more trackers beside TensorBoard: wandb, trackio, mlflow
     image_every: int = 10         # iterations between image grids
     eval_every_min: float = 0.0   # > 0: also evaluate each time this many minutes of the run have passed (the
                                   # evaluations count in train.time_budget_min); results.json lists them
@@ -386,6 +387,17 @@ def _choice(key: str, value: Any, valid: tuple) -> None:
         raise ValueError(f"{key}: invalid value {value!r}; valid: {list(valid)}")
 
 
+# other frameworks' names (TRL's GRPOConfig, diffusers' training scripts) -> mmrl's key
+OTHER_NAMES = {"learning_rate": "train.lr", "num_generations": "train.group_size", "beta": "algo.kl_coef",
+               "epsilon": "algo.clip_range", "num_iterations": "train.inner_epochs",
+               "max_completion_length": "sampler.max_new_tokens", "gradient_accumulation_steps": "train.grad_accum",
+               "max_grad_norm": "train.max_grad_norm", "num_train_epochs": "train.iterations",
+               "output_dir": "log.out_dir", "seed": "train.seed", "bf16": "train.mixed_precision=bf16",
+               "loss_type": "algo.loss_agg", "scale_rewards": "algo.advantage",
+               "num_inference_steps": "sampler.num_steps", "guidance_scale": "sampler.cfg_scale", "lora_rank": "model.lora.rank", "rank": "model.lora.rank",
+               "pretrained_model_name_or_path": "model.path", "model_name_or_path": "model.path"}
+
+
 def _build(cls, data: dict, where: str):
     """Instantiate dataclass `cls` from a dict, recursing into nested dataclasses; unknown keys error."""
     if not isinstance(data, dict):
@@ -397,6 +409,8 @@ def _build(cls, data: dict, where: str):
         if key not in names:
             close = difflib.get_close_matches(key, list(names), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
+            if key in OTHER_NAMES:
+                hint = f" Did you mean {OTHER_NAMES[key]!r}? (docs/python-api.md maps TRL's names to mmrl's)"
             path = f"{where}.{key}" if where else key
             raise ValueError(f"unknown config key {path!r}; valid keys{' of ' + where if where else ''}: "
                              f"{sorted(names)}.{hint}")

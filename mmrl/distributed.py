@@ -229,6 +229,19 @@ class Distributed:
                            extras={k: cat(f"extras/{k}") for k in extras}, is_offpolicy=cat("is_offpolicy"))
         return everyone, {k: cat(f"rewards/{k}") for k in rewards}, cat("valid"), local_rows
 
+    @staticmethod
+    def local_rows(mine, everyone, rows: torch.Tensor, adv: torch.Tensor, overall: torch.Tensor):
+        """gather_rows reversed: this rank's rollout `mine` with the action masks credit assignment left in
+        `everyone` (the single-process order), and its rows of the advantages [N] or [N, A] and rewards [N];
+        `rows` [n] are its real rows' positions in that order. Padding rows (group id -1) get nothing."""
+        real = (mine.group_id >= 0).nonzero().squeeze(-1)
+        width = mine.action_mask.shape[1]
+        mine.action_mask = torch.zeros_like(mine.action_mask)
+        mine.action_mask[real] = everyone.action_mask[rows, :width]
+        local_adv = torch.zeros((len(mine), *adv.shape[1:]), dtype=adv.dtype)
+        local_adv[real] = adv[rows] if adv.dim() == 1 else adv[rows, :width]
+        return mine, local_adv, torch.zeros(len(mine)).index_put_((real,), overall[rows])
+
     def mean_stats(self, stats: dict[str, list[tuple[float, int]]]) -> dict[str, float]:
         """Statistics kept as (sum, count) pairs, summed over every rank's pairs: sum / count (one set of numbers
         per run, the single-process one)."""

@@ -2,10 +2,11 @@
 
 The task of the config gives the held-out examples (`task.eval_examples()`), its reward (`reward.eval_name`,
 else `reward.name`) scores them, and each policy generates deterministically (`policy.evaluate`: ODE samples
-for generators, greedy answers for token policies; example i uses seed `--seed + i`). The base model of the
+for generators, greedy answers for token policies; example i uses seed `--seed + i`, by default the trainer's
+evaluation seed, so `mmrl eval` reproduces the eval/ figures of a run). The base model of the
 config (`model.path`) is scored first, then every CHECKPOINT, then the task's own baselines (e.g. the blind
-constant answer for grounding). A CHECKPOINT is a trainer checkpoint (runs/NAME/checkpoints/iter-N), its
-policy/ folder, or a model folder (then it replaces model.path).
+constant answer for grounding). A CHECKPOINT is a run folder (runs/NAME: its newest checkpoint), a trainer
+checkpoint (runs/NAME/checkpoints/iter-N), its policy/ folder, or a model folder (then it replaces model.path).
 
 Prints a table (one row per model; the reward's keys as columns, then per category) and one JSON object on
 the last line: {"task", "n", "seed", "results": {name: {key: mean, ..., "per_category": {...}}}}.
@@ -20,12 +21,18 @@ import time
 
 from mmrl import compose
 from mmrl.config import sample_chunk
-from mmrl.evaluation import evaluate_outputs
+from mmrl.evaluation import EVAL_SEED, evaluate_outputs
 from mmrl.reward import RewardRunner
 
 
 def policy_folder(checkpoint: str) -> str | None:
-    """The saved policy folder of a trainer checkpoint or policy folder; None for a plain model folder."""
+    """The saved policy folder of a trainer checkpoint, a policy folder or a run folder (log.out_dir: its newest
+    checkpoint); None for a plain model folder."""
+    from mmrl.checkpoint import latest
+
+    newest = latest(os.path.join(checkpoint, "checkpoints"))
+    if newest is not None:
+        checkpoint = newest
     for path in (os.path.join(checkpoint, "policy"), checkpoint):
         if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
             return path
@@ -35,7 +42,7 @@ def policy_folder(checkpoint: str) -> str | None:
     return None
 
 
-def evaluate_checkpoints(cfg, checkpoints: list[str], seed: int = 0, base: bool = True,
+def evaluate_checkpoints(cfg, checkpoints: list[str], seed: int = EVAL_SEED, base: bool = True,
                          progress: bool = True) -> dict:
     """{name: metrics} for the base model, each checkpoint and the task's baselines (see the module docstring)."""
     task = compose.build_task(cfg.task)

@@ -10,6 +10,9 @@ import torch
 from tqdm import tqdm
 
 
+EVAL_SEED = 10_000  # held-out example i is generated with seed EVAL_SEED + i (trainer and `mmrl eval` alike)
+
+
 @torch.no_grad()
 def evaluate_outputs(generate: Callable[[list[dict], int], object], examples: list[dict], reward: Callable,
                      seed: int = 0, batch_size: int = 64, progress: bool = True, dist=None) -> dict:

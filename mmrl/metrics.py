@@ -29,7 +29,7 @@ class Logger:
     just before the save). No step is ever logged twice."""
 
     def __init__(self, out_dir: str, tensorboard: bool = True, enabled: bool = True,
-                 resume: tuple[int, int] | None = None):
+                 resume: tuple[int, int] | None = None, report_to: list[str] = (), config=None):
         self.jsonl = self.tb = None
         self.lines = 0  # lines in metrics.jsonl (saved with each checkpoint)
         if not enabled:  # ranks other than 0 of a multi-process run log nothing
@@ -120,6 +120,14 @@ def _truncate_lines(path: str, n: int | None, step: int) -> list[dict]:
         f.writelines(lines)
     os.replace(tmp, path)
     return [json.loads(ln) for ln in lines]
+
+
+def perf(t, seconds: float) -> dict:
+    """Samples per second of an iteration, and the accelerator's peak memory so far (GiB) where there is one."""
+    out = {"perf/iteration_s": seconds, "perf/samples_per_s": t.prompts_per_iter * t.group_size / max(seconds, 1e-9)}
+    if torch.cuda.is_available():
+        out["perf/gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
 
 
 class Timer:

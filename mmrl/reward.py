@@ -75,6 +75,33 @@ class MultiReward:
         return {"overall": total, **out}
 
 
+class FunctionReward:
+    """A plain function as a reward, TRL's habit: `fn(outputs, examples, **kwargs)` (or `fn(outputs, **kwargs)`)
+    returning scores [N] (list, array or tensor) or a dict of them with an "overall" key. reward.kwargs go to it
+    at every call."""
+
+    def __init__(self, fn: Callable, **kwargs):
+        self.fn, self.kwargs = fn, kwargs
+        self.positional = len(plain_function_args(fn))
+
+    def __call__(self, outputs, examples) -> dict[str, torch.Tensor]:
+        out = self.fn(outputs, examples, **self.kwargs) if self.positional >= 2 else self.fn(outputs, **self.kwargs)
+        if not isinstance(out, dict):
+            out = {"overall": out}
+        return {k: torch.as_tensor(v, dtype=torch.float32).reshape(-1) for k, v in out.items()}
+
+
+def plain_function_args(fn) -> list[str]:
+    """The required positional parameters of a plain function (not a class): a reward function takes the outputs
+    (and the examples) this way, while reward factories take keyword options only."""
+    import inspect
+
+    if not inspect.isfunction(fn):
+        return []
+    return [p.name for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+
+
 def _rows(outputs, i: int):
     return outputs[i:i + 1]
 

@@ -29,8 +29,8 @@ from mmrl.algorithms.weighting import truncated_is
 from mmrl.config import Config, sample_chunk
 from mmrl.data import Rollout, micro_batches
 from mmrl.distributed import Distributed, check_parallel_config, full
-from mmrl.evaluation import evaluate_outputs
-from mmrl.metrics import Logger, SignalWatch, Timer, per_category
+from mmrl.evaluation import EVAL_SEED, evaluate_outputs
+from mmrl.metrics import Logger, SignalWatch, Timer, per_category, perf
 from mmrl.rollout.collect import Collector
 from mmrl.rollout.contrast import contrast_rollout
 from mmrl.optim import EMA, lr_scale
@@ -77,7 +77,8 @@ class Trainer:
         # rollout's old log-probs are that forward's (detached) values; policies that must pay an extra
         # forward for them (token policies) skip it.
         self.policy.defer_old_log_prob = cfg.train.minibatches == cfg.train.grad_accum
-        self.logger = Logger(cfg.log.out_dir, cfg.log.tensorboard, enabled=self.dist.main)
+        self.logger = Logger(cfg.log.out_dir, cfg.log.tensorboard, enabled=self.dist.main, report_to=cfg.log.report_to,
+                             config=cfg)
         self.timer = Timer()
         self.collect = Collector(cfg, self.policy, self.task, self.reward, self.dist, self.timer)
 
@@ -97,12 +98,16 @@ class Trainer:
             lr = t.lr * lr_scale(it, t.iterations, self.elapsed_min, t.time_budget_min, t.lr_warmup, t.lr_cooldown)
             for g in self.opt.param_groups:
                 g["lr"] = lr
-            metrics = self.step(it)
-            metrics["train/lr"] = lr
+            t_it = time.time()
+            metrics = {**self.step(it), "train/lr": lr, **perf(t, time.time() - t_it)}
             self.iteration = it + 1
             self.elapsed_min = (time.time() - t_start) / 60
             bar.set_postfix(reward=f"{metrics['reward/overall_mean']:.3f}")
             self.logger.scalars(it, metrics)
+            if not cfg.log.progress and self.dist.main:  # no bars (a log file): one line per iteration
+                log.info("iteration %d/%d: reward %.4f, loss %.4g, %.1f s (%.1f min in all)", it + 1, t.iterations,
+                         metrics["reward/overall_mean"], metrics.get("train/loss", 0.0), metrics["perf/iteration_s"],
+                         self.elapsed_min)
             out_of_time = t.time_budget_min > 0 and self.elapsed_min >= t.time_budget_min
             last = self.iteration == t.iterations or out_of_time
             timed = cfg.log.eval_every_min and self.elapsed_min >= cfg.log.eval_every_min * (1 + len(self.timed_evals))
@@ -138,7 +143,7 @@ class Trainer:
             (_, c_reward, c_gid), stats = contrast_rollout(sample, self.reward, real, t.group_size, seed)
             extra = (self.dist.gather(c_reward), self.dist.gather(c_gid))
             metrics.update(self.dist.mean_stats({k: [(v * len(c_reward), len(c_reward))] for k, v in stats.items()}))
-        local = (rollout, valid)
+        local = rollout
         if self.dist.world > 1:  # advantages need whole groups: every rank sees every row's reward, in order
             rollout, rewards, valid, rows = self.dist.gather_rows(
                 rollout, rewards, valid, getattr(self.credit, "reads_extras", ()))
@@ -158,15 +163,7 @@ class Trainer:
         metrics.update(per_category(rollout.examples, rewards["overall"], valid))
         overall, row_actions = rewards["overall"], rollout.action_mask.sum(-1)  # [N] the loss normalization
         if self.dist.world > 1:  # back to this rank's rows (a padding row, group id -1, has none: zero advantage)
-            everyone, (rollout, valid) = rollout, local
-            real = (rollout.group_id >= 0).nonzero().squeeze(-1)
-            width = rollout.action_mask.shape[1]
-            rollout.action_mask = torch.zeros_like(rollout.action_mask)
-            rollout.action_mask[real] = everyone.action_mask[rows, :width]
-            mine = torch.zeros((len(rollout), *adv.shape[1:]), dtype=adv.dtype)
-            mine[real] = adv[rows] if adv.dim() == 1 else adv[rows, :width]
-            adv = mine
-            overall = torch.zeros(len(rollout)).index_put_((real,), overall[rows])
+            rollout, adv, overall = self.dist.local_rows(local, rollout, rows, adv, overall)
         else:
             rows = torch.arange(len(rollout))
         with self.timer("train"):
@@ -316,11 +313,18 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict:
         """Held-out benchmark of the current (EMA when enabled) weights; logged as eval/*."""
-        with self.ema_weights():
-            # through the runner: a sample whose reward fails scores 0 (and is logged) instead of ending the run
-            res = evaluate_outputs(self.policy.evaluate, self.task.eval_examples(), lambda o, e: self.eval_reward(o, e)[0],
-                                   seed=10_000, batch_size=sample_chunk(self.cfg.train) or 64,
-                                   progress=self.cfg.log.progress and self.dist.main, dist=self.dist)
+        # through the runner: a sample whose reward fails scores 0 (and is logged) instead of ending the run; but at
+        # the start a reward that fails fails on everything: stop at its first failure, with its error
+        on_error = self.eval_reward.on_error
+        self.eval_reward.on_error = "raise" if step == 0 else on_error
+        try:
+            with self.ema_weights():
+                res = evaluate_outputs(self.policy.evaluate, self.task.eval_examples(),
+                                       lambda o, e: self.eval_reward(o, e)[0], seed=EVAL_SEED,
+                                       batch_size=sample_chunk(self.cfg.train) or 64,
+                                       progress=self.cfg.log.progress and self.dist.main, dist=self.dist)
+        finally:
+            self.eval_reward.on_error = on_error
         flat = {f"eval/{k}": v for k, v in res.items() if k not in ("per_category", "n")}
         for c, d in res["per_category"].items():
             flat.update({f"eval_by_category/{c}/{k}": v for k, v in d.items() if k != "n"})
@@ -340,5 +344,6 @@ class Trainer:
     def reopen_logger(self, resume: tuple[int | None, int]) -> None:
         """The logs cut back to a checkpoint (metrics.Logger's `resume`)."""
         self.logger.close()
-        self.logger = Logger(self.cfg.log.out_dir, self.cfg.log.tensorboard, enabled=self.dist.main, resume=resume)
+        self.logger = Logger(self.cfg.log.out_dir, self.cfg.log.tensorboard, enabled=self.dist.main, resume=resume,
+                             report_to=self.cfg.log.report_to, config=self.cfg)
 

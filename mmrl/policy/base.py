@@ -154,3 +154,23 @@ def load_lora_adapter(module: torch.nn.Module, path: str) -> None:
     if missing:
         raise ValueError(f"{path}: adapter weights {missing[:3]} ... match no LoRA layer of the model; was it "
                          f"trained on another base model or with other model.lora.target_modules?")
+
+
+def resolve_model_path(path: str) -> str:
+    """A model folder for model.path: the folder itself, or for a Hugging Face id (org/name) its snapshot in the
+    local cache (HF_HOME); FileNotFoundError naming both ways to provide it otherwise."""
+    if os.path.isdir(path):
+        return path
+    if path.count("/") == 1 and not path.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return snapshot_download(path, local_files_only=True)
+        except Exception:  # not cached (LocalEntryNotFoundError), or not a valid id
+            pass
+        raise FileNotFoundError(f"model.path={path!r} is not a local folder and not in the Hugging Face cache; mmrl "
+                                f"does not download during a run. Download it once (huggingface-cli download {path} "
+                                f"--local-dir DIR) and set model.path=DIR, or fill the cache (HF_HOME) on a machine "
+                                f"with network")
+    raise FileNotFoundError(f"model.path={path!r} does not exist (relative paths are relative to the working "
+                            f"directory {os.getcwd()})")

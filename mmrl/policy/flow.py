@@ -24,8 +24,8 @@ from mmrl.algorithms.losses import objective
 from mmrl.cache import BoundedCache
 from mmrl.config import sample_chunk
 from mmrl.data import PolicyOutput, Rollout, group_ids
-from mmrl.policy.base import (PolicyDefaults, base_model_path, load_lora_adapter, reference_kind, save_lora_adapter,
-                              upcast_trainable, write_policy_meta)
+from mmrl.policy.base import (PolicyDefaults, base_model_path, load_lora_adapter, reference_kind, resolve_model_path,
+                              save_lora_adapter, upcast_trainable, write_policy_meta)
 from mmrl.models.flow_model import EXPERTS, FlowModel, sigma_schedule
 from mmrl.models.pipelines import load_flow_model
 from mmrl.rollout.tree import run_tree, trained_steps
@@ -431,7 +431,7 @@ def _link_base_parts(base: str, path: str) -> None:
 def build_flow_policy(cfg) -> FlowPolicy:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
     device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    path = cfg.model.path
+    path = resolve_model_path(cfg.model.path)
     if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
         raise ValueError(f"{path!r} is an mmrl policy checkpoint; use it with mmrl eval, or set model.path to a "
                          f"base model folder")

@@ -24,8 +24,8 @@ import os
 
 import torch
 from mmrl.data import PolicyOutput, Rollout, group_ids
-from mmrl.policy.base import (PolicyDefaults, base_model_path, load_lora_adapter, reference_kind, save_lora_adapter,
-                              upcast_trainable, write_policy_meta)
+from mmrl.policy.base import (PolicyDefaults, base_model_path, load_lora_adapter, reference_kind, resolve_model_path,
+                              save_lora_adapter, upcast_trainable, write_policy_meta)
 from mmrl.rollout.engine import HFEngine, PrefixCacheEngine, SamplingParams, completion_mask
 from mmrl.cache import BoundedCache
 from mmrl.config import sample_chunk
@@ -448,7 +448,7 @@ def load_token_model(path: str, dtype: torch.dtype = torch.float32, device: str 
 def build_token_policy(cfg) -> TokenPolicy:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
     device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    path = cfg.model.path
+    path = resolve_model_path(cfg.model.path)
     if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
         meta = json.load(open(os.path.join(path, "mmrl_policy.json")))
         if meta.get("lora"):

@@ -1,0 +1,135 @@
+"""`mmrl validate` and the start of `mmrl train`: everything that can be checked before a weight loads, every problem
+listed at once, in seconds.
+
+What is checked beyond the config's keys, types and registry names (mmrl.compose.load_config):
+- model.path: a folder (or a Hugging Face id already in the local cache) whose model_index.json / config.json
+  reads, with every component folder model_index.json names;
+- every file the task and the rewards name (task.prompt_file, task.kwargs *_file / annotations / *_dir /
+  durations, reward kwargs *_path / *_dir / *_file): exists; prompt files are UTF-8 (file:line of a bad byte);
+- every reward / task kwarg is one its factory takes (nested rewards and judges too);
+- the multi-process rules for N processes (mmrl.distributed.check_parallel_config).
+
+Paths in a config are relative to the working directory (where mmrl runs); only `base:` is relative to the config
+file. A path that is missing there but exists next to the config file is reported with that fix.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+
+from mmrl import compose
+from mmrl.config import Config, policy_kind
+from mmrl.distributed import check_parallel_config
+from mmrl.policy.base import resolve_model_path
+from mmrl.reward import plain_function_args
+
+PATH_SUFFIXES = ("_file", "_path", "_dir", "annotations", "durations")
+NOT_PATHS = ("root", "dataset")  # created by the task (grounding_world's root) or a datasets name
+
+
+def check(cfg: Config, nproc: int = 1, config_path: str | None = None) -> list[str]:
+    """Every problem of `cfg` found without loading weights, each naming the key or file and the fix."""
+    problems: list[str] = []
+
+    def run(fn, *args):
+        try:
+            fn(*args)
+        except (ValueError, FileNotFoundError, KeyError, ImportError, TypeError) as e:
+            problems.append(str(e).strip("'\""))
+
+    run(_check_model, cfg, config_path)
+    if cfg.task.prompt_file:
+        run(_check_path, "task.prompt_file", cfg.task.prompt_file, config_path, True)
+    run(_check_kwargs, compose.TASKS, cfg.task.name, cfg.task.kwargs, "task", config_path)
+    for key in ("name", "eval_name"):
+        name = getattr(cfg.reward, key)
+        if name:
+            kwargs = cfg.reward.kwargs if key == "name" else cfg.reward.eval_kwargs
+            run(_check_kwargs, compose.REWARDS, name, kwargs, "reward" if key == "name" else "reward.eval", config_path)
+    run(check_parallel_config, cfg, nproc)
+    return problems
+
+
+def _check_model(cfg: Config, config_path: str | None) -> None:
+    path = cfg.model.path
+    if not os.path.exists(path):
+        if path.count("/") != 1 or path.startswith((".", "/")):  # not a hub id: a missing folder
+            _check_path("model.path", path, config_path)
+        path = resolve_model_path(path)
+    for name in ("model_index.json", "config.json"):
+        f = os.path.join(path, name)
+        if os.path.isfile(f):
+            try:
+                index = json.load(open(f, encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ValueError(f"{f} does not read as JSON ({e}): the model folder is damaged") from None
+            if name == "model_index.json":  # a diffusers pipeline: each component's folder
+                missing = [k for k, v in index.items() if isinstance(v, list) and v[0] and
+                           not os.path.isdir(os.path.join(path, k))]
+                if missing:
+                    raise FileNotFoundError(f"model.path={path!r}: model_index.json names {missing}, but the folder "
+                                            f"has no {', '.join(m + '/' for m in missing)}; copy the whole pipeline")
+            return
+    if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
+        raise ValueError(f"model.path={path!r} is an mmrl policy checkpoint; set model.path to a base model folder "
+                         f"(export the checkpoint with `mmrl export` to train on from it)")
+    want = "model_index.json (a diffusers pipeline)" if policy_kind(cfg.model.policy) == "flow" else \
+        "config.json (a transformers model)"
+    raise FileNotFoundError(f"model.path={path!r} has no {want}: point it at the model's folder")
+
+
+def _check_path(key: str, path: str, config_path: str | None, text: bool = False) -> None:
+    if not os.path.exists(path):
+        near = os.path.join(os.path.dirname(config_path), path) if config_path and not os.path.isabs(path) else None
+        hint = f"; it exists next to the config file: use {key}={os.path.abspath(near)}" \
+            if near and os.path.exists(near) else ""
+        raise FileNotFoundError(f"{key}={path!r} does not exist (paths in a config are relative to the working "
+                                f"directory {os.getcwd()}; only base: is relative to the config file){hint}")
+    if text and os.path.isfile(path):
+        with open(path, "rb") as f:
+            for i, line in enumerate(f, 1):
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}:{i}: not UTF-8 (byte {e.start + 1} of the line); save {key} as "
+                                     f"UTF-8") from None
+
+
+def _check_kwargs(registry, name: str, kwargs: dict, where: str, config_path: str | None) -> None:
+    """Every kwarg is a parameter of the factory (nested rewards / judges checked the same way); path-like
+    values exist."""
+    factory = registry[name]
+    params = dict(inspect.signature(factory).parameters)
+    for arg in plain_function_args(factory) if registry is compose.REWARDS else ():  # a reward function's inputs
+        params.pop(arg)
+    kwargs = dict(kwargs or {})
+    for key, sub in compose.NESTED.items():
+        if key in params and isinstance(kwargs.get(key), str):
+            _check_kwargs(sub, kwargs[key], kwargs.pop(f"{key}_kwargs", None) or {}, f"{where}.kwargs.{key}",
+                          config_path)
+        kwargs.pop(f"{key}_kwargs", None)
+    for label, spec in (kwargs.get("components") or {}).items() if "components" in params else ():
+        spec = spec or {}
+        _check_kwargs(compose.REWARDS, spec.get("name", label), spec.get("kwargs") or {},
+                      f"{where}.kwargs.components.{label}", config_path)
+    open_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown and not open_kwargs:
+        valid = sorted(k for k in params if k not in ("self", "cfg", "args", "kwargs"))
+        raise ValueError(f"{where}.kwargs {unknown} not understood by {registry.axis} {name!r}; valid: {valid}")
+    for key, value in kwargs.items():
+        if isinstance(value, str) and value and key.endswith(PATH_SUFFIXES) and key not in NOT_PATHS \
+                and not _cached_hub_id(value):
+            _check_path(f"{where}.kwargs.{key}", value, config_path, text=key.endswith(("_file", "annotations")))
+
+
+def _cached_hub_id(value: str) -> bool:
+    if value.count("/") != 1 or value.startswith((".", "/")) or os.path.exists(value):
+        return False
+    try:
+        resolve_model_path(value)
+        return True
+    except FileNotFoundError:
+        return False
