@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args.debug = debug  # options may come before or after positionals and overrides
     if any(x.startswith("-") for x in extra):
         p.error(f"unrecognized arguments: {' '.join(x for x in extra if x.startswith('-'))}")
-    if args.cmd == "eval":
+    if args.cmd in ("eval", "sample"):  # their positionals may follow options
         args.rest += extra
     elif extra and args.cmd in ("train", "plan", "validate", "sample") and all("=" in x for x in extra):
         args.overrides += extra

@@ -66,11 +66,6 @@ def check_parallel_config(cfg, world: int, folder: bool = True) -> None:
         raise ValueError(f"train.prompts_per_iter={t.prompts_per_iter} groups for {world // cp} data-parallel ranks "
                          f"({world} processes / train.context_parallel={cp}): ranks shard whole groups, so every rank "
                          f"needs one. Set train.prompts_per_iter >= {world // cp}")
-    if kind != "flow" and cfg.sampler.engine == "vllm":
-        raise ValueError("sampler.engine=vllm on several processes: vLLM's engine is built inside each trainer "
-                         "process and mmrl does not yet start it with distributed_executor_backend="
-                         "'external_launcher'. Use sampler.engine=prefix_cache (or hf) with several processes, or one "
-                         "process with vLLM")
     if kind != "flow" and t.parallel == "fsdp" and cfg.sampler.engine != "prefix_cache":
         raise ValueError("train.parallel=fsdp for token policies needs sampler.engine=prefix_cache (its decoding "
                          "runs in lockstep across ranks, which FSDP's all-gathers need)")

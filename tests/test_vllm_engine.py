@@ -73,3 +73,27 @@ def test_vllm_lora_weights_merged(tiny_lm):
     policy.sync_weights()
     fresh, _ = agreement(policy)
     assert stale.mean() > 10 * fresh.mean() and fresh.mean() < 1e-3
+
+
+def test_vllm_engines_under_torchrun_train_in_sync(tiny_lm, tmp_path):
+    """2 processes, DDP: each rank builds its own vLLM engine through the external launcher inside the trainer's
+    process group, samples its own groups, and reloads the weights after every optimizer step; the ranks end in
+    sync and the engine's log-probs agree with the trainer's (train/engine_ratio_dev)."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "vllm_dist.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONPATH": root,
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.join(root, "tests/workers/vllm_dist.py"), tiny_lm, str(out), "algo.tis_cap=2"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.load(open(out))
+    print(json.dumps({k: got["metrics"].get(k) for k in ("train/engine_ratio_dev", "train/tis_weight",
+                                                          "train/first_ratio_dev")}), got["syncs"])
+    assert got["world"] == 2 and got["syncs"] == [2, 2]  # one reload per iteration on each rank
+    assert got["metrics"]["train/engine_ratio_dev"] < 1e-2
+    assert abs(got["metrics"]["train/tis_weight"] - 1) < 1e-2

