@@ -23,7 +23,7 @@ import logging
 import os
 
 import torch
-from mmrl.data import PolicyOutput, Rollout, group_ids
+from mmrl.data import PolicyOutput, Rollout
 from mmrl.policy.base import (PolicyDefaults, base_model_path, load_lora_adapter, reference_kind, resolve_model_path,
                               save_lora_adapter, upcast_trainable, write_policy_meta)
 from mmrl.rollout.engine import HFEngine, PrefixCacheEngine, SamplingParams, completion_mask
@@ -191,14 +191,24 @@ class TokenPolicy(PolicyDefaults):
             raise RuntimeError("no example of this batch has a readable video; see the warnings above")
         return ok
 
+    samples_rows = True  # sample(rows=...) gives whole groups of a batch, the same on any rank
+
     @torch.no_grad()
-    def sample(self, examples: list[dict], group_size: int, generator: torch.Generator) -> Rollout:
-        examples = self._usable(examples)
+    def sample(self, examples: list[dict], group_size: int, generator: torch.Generator,
+               rows: torch.Tensor | None = None) -> Rollout:
+        """G completions per example; rows [n]: only these whole groups of the B * G rows (several processes).
+        Group b samples from its own generator (seed + b; prefix-cache and vLLM engines), so a group is the same
+        whichever rank samples it; the rollout's group ids are the groups' indices in `examples`."""
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+        groups = list(range(len(examples))) if rows is None else (rows[::group_size] // group_size).tolist()
+        usable = {id(ex) for ex in self._usable([examples[g] for g in groups])}
+        groups = [g for g in groups if id(examples[g]) in usable]
         params = SamplingParams(self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p, group_size)
-        completions, engine_lp = self._generate([self.encode_prompt(ex) for ex in examples], params, seed)  # [N, C]
-        rows = [ex for ex in examples for _ in range(group_size)]
-        return self._rollout(rows, completions, group_ids(len(examples), group_size), engine_lp=engine_lp)
+        completions, engine_lp = self._generate([self.encode_prompt(examples[g]) for g in groups], params, seed,
+                                                [seed + g for g in groups])                   # [N, C]
+        gid = torch.tensor(groups, dtype=torch.long).repeat_interleave(group_size)
+        return self._rollout([examples[g] for g in groups for _ in range(group_size)], completions, gid,
+                             engine_lp=engine_lp)
 
     def _rollout(self, rows: list[dict], completions: torch.Tensor, gid: torch.Tensor,
                  is_offpolicy: torch.Tensor | None = None, engine_lp: torch.Tensor | None = None) -> Rollout:
@@ -217,7 +227,7 @@ class TokenPolicy(PolicyDefaults):
             ro.old_log_prob = self.old_log_prob(ro, torch.arange(len(ro)))
         return ro
 
-    def _generate(self, prompts: list[dict], params: SamplingParams, seed: int):
+    def _generate(self, prompts: list[dict], params: SamplingParams, seed: int, group_seeds: list[int] | None = None):
         """Completions [len(prompts) * G, C] (CPU), generated for micro_batch // G prompts at a time (all at once
         when micro_batch is 0); chunk c samples with seed + c, and chunks are right-padded to one width. With them
         the engine's log-probs of the sampled tokens [len(prompts) * G, C] (NaN-padded), or None when the engine
@@ -225,7 +235,8 @@ class TokenPolicy(PolicyDefaults):
         per = max(1, self.micro_batch // params.group_size) if self.micro_batch else len(prompts)
         parts, lps = [], []
         for i in range(0, len(prompts), per):
-            parts.append(self.engine.generate(self._collate(prompts[i:i + per]), params, seed + i // per).cpu())
+            gs = group_seeds[i:i + per] if group_seeds is not None else None
+            parts.append(self.engine.generate(self._collate(prompts[i:i + per]), params, seed + i // per, gs).cpu())
             lps.append(getattr(self.engine, "last_logprobs", None))
         width = max(p.shape[1] for p in parts)
         ids = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=self.pad_id) for p in parts])

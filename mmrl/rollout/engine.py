@@ -29,8 +29,12 @@ class SamplingParams:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, batch: dict[str, torch.Tensor], params: SamplingParams, seed: int) -> torch.Tensor:
-        """batch: processor output for B prompts (left-padded). Returns completion ids [B * G, C]."""
+    def generate(self, batch: dict[str, torch.Tensor], params: SamplingParams, seed: int,
+                 group_seeds: list[int] | None = None) -> torch.Tensor:
+        """batch: processor output for B prompts (left-padded). Returns completion ids [B * G, C]. group_seeds
+        [B]: prompt b's G rows are sampled from their own generator seeded group_seeds[b], so a group is the same
+        whatever else is in the batch (several processes hold other groups); engines that cannot (HF generate)
+        ignore it and sample the batch from `seed`."""
 
     def sync_weights(self) -> None:
         """Called after each optimizer step (engines holding their own copy of the weights reload them)."""
@@ -43,7 +47,7 @@ class HFEngine:
         self.model, self.eos_id, self.pad_id, self.suppress_ids = model, eos_id, pad_id, list(suppress_ids)
 
     @torch.no_grad()
-    def generate(self, batch, params, seed):
+    def generate(self, batch, params, seed, group_seeds=None):
         torch.manual_seed(seed)
         greedy = params.temperature == 0
         kw = dict(do_sample=not greedy, max_new_tokens=params.max_new_tokens, num_return_sequences=params.group_size,
@@ -79,11 +83,12 @@ class PrefixCacheEngine:
         self.last_logprobs: torch.Tensor | None = None  # [n, C] log-prob of each sampled token (NaN after EOS)
 
     @torch.no_grad()
-    def generate(self, batch, params, seed):
+    def generate(self, batch, params, seed, group_seeds=None):
         n_prompts = batch["input_ids"].shape[0]
         device = batch["input_ids"].device
         rows = torch.arange(n_prompts, device=device).repeat_interleave(params.group_size)   # [n]
-        gen = torch.Generator(device).manual_seed(seed)
+        gen = [torch.Generator(device).manual_seed(s) for s in group_seeds] if group_seeds is not None \
+            else torch.Generator(device).manual_seed(seed)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -121,6 +126,10 @@ class PrefixCacheEngine:
         return torch.log_softmax(logits / params.temperature, -1).gather(1, tok[:, None]).squeeze(1)
 
     def _pick(self, logits, params, gen):
+        """[n] tokens from logits [n, V]; gen: one generator, or one per group of params.group_size rows."""
+        if isinstance(gen, list):
+            g = params.group_size
+            return torch.cat([self._pick(logits[b * g:(b + 1) * g], params, one) for b, one in enumerate(gen)])
         logits = logits.float()
         if self.suppress_ids:
             logits[:, self.suppress_ids] = float("-inf")

@@ -76,7 +76,8 @@ class VLLMEngine:
             self.llm.sleep(level=1)
 
     @torch.no_grad()
-    def generate(self, batch: dict[str, torch.Tensor], params, seed: int) -> torch.Tensor:
+    def generate(self, batch: dict[str, torch.Tensor], params, seed: int, group_seeds: list[int] | None = None
+                 ) -> torch.Tensor:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -86,10 +87,11 @@ class VLLMEngine:
         prompts = [TokensPrompt(prompt_token_ids=row[m.bool()].tolist())
                    for row, m in zip(batch["input_ids"].cpu(), batch["attention_mask"].cpu())]
         greedy = params.temperature == 0
-        sp = SamplingParams(n=params.group_size, temperature=0.0 if greedy else params.temperature,
-                            top_p=1.0 if greedy else params.top_p, max_tokens=params.max_new_tokens, seed=seed,
-                            stop_token_ids=[self.eos_id], logprobs=0,
-                            logit_bias={i: -100.0 for i in self.suppress_ids} or None)
+        sp = [SamplingParams(n=params.group_size, temperature=0.0 if greedy else params.temperature,
+                             top_p=1.0 if greedy else params.top_p, max_tokens=params.max_new_tokens, seed=s,
+                             stop_token_ids=[self.eos_id], logprobs=0,
+                             logit_bias={i: -100.0 for i in self.suppress_ids} or None)
+              for s in (group_seeds if group_seeds is not None else [seed] * len(prompts))]  # a seed per group
         if self.sleep:
             self.llm.wake_up()
         try:
