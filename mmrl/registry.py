@@ -3,7 +3,8 @@
 An entry is an object, or a lazy `"package.module:Name"` string imported on first use (built-in plugins are
 registered this way, so the core never imports them). Any name containing ":" that is not registered is
 resolved the same way: `reward.name: my_rewards:BrightnessReward` in YAML uses a class from the user's own
-file (on PYTHONPATH, or next to the working directory) without editing mmrl.
+file without editing mmrl: the `mmrl` command finds it in the working directory, next to the config file, or on
+PYTHONPATH (from Python: anywhere on sys.path).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class Registry(dict):
                 return import_path(name)
             except (ImportError, AttributeError) as e:
                 raise KeyError(f"{self.axis} {name!r} could not be imported ({type(e).__name__}: {e}); put its "
-                               f"module on PYTHONPATH (or in the working directory)") from e
+                               f"module's file in the working directory or next to the config file (the mmrl command "
+                               f"looks there), or on PYTHONPATH") from e
         close = difflib.get_close_matches(str(name), list(self), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise KeyError(f"unknown {self.axis} {name!r}; valid: {sorted(self)} or a package.module:Name path.{hint}")
