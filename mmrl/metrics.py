@@ -1,12 +1,19 @@
 """Logging: TensorBoard event files (offline) + a JSONL copy of every scalar, image grids with prompts,
-completion tables for token policies."""
+completion tables for token policies; the same to the experiment trackers named in log.report_to (W&B, MLflow;
+docs/trackers.md)."""
 
 from __future__ import annotations
 
+import abc
+import dataclasses
+import importlib.util
 import json
 import logging
 import os
+import pathlib
+import re
 import time
+import uuid
 
 import torch
 
@@ -26,14 +33,22 @@ class Logger:
     resume: (lines, step) of the checkpoint a resumed run starts from: metrics.jsonl is cut back to the `lines`
     lines written before that checkpoint (what a killed run logged after it goes), and TensorBoard drops its
     events from `step` on (purge_step), then gets the kept lines at or after `step` again (an evaluation logged
-    just before the save). No step is ever logged twice."""
+    just before the save). No step is ever logged twice.
+
+    report_to: the trackers (TRACKERS) that get the same scalars, image grids / video strips and completion
+    tables; `config` (the run's Config or a dict) is their run config. With `resume` they continue the tracker
+    run of the run folder (RUN_IDS)."""
 
     def __init__(self, out_dir: str, tensorboard: bool = True, enabled: bool = True,
                  resume: tuple[int, int] | None = None, report_to: list[str] = (), config=None):
         self.jsonl = self.tb = None
         self.lines = 0  # lines in metrics.jsonl (saved with each checkpoint)
+        self.report_to: list[str] = []
+        self._trackers: list[Tracker] | None = None  # started at their first use (the `trackers` property)
         if not enabled:  # ranks other than 0 of a multi-process run log nothing
             return
+        self.report_to = check_report_to(report_to)
+        self._tracker_args = (out_dir, _config_dict(config), resume is not None)
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, "metrics.jsonl")
         kept = _truncate_lines(path, resume[0], resume[1]) if resume else []
@@ -49,6 +64,14 @@ class Logger:
                         if k not in ("step", "time"):
                             self.tb.add_scalar(k, v, row["step"])
 
+    @property
+    def trackers(self) -> list[Tracker]:
+        """The report_to trackers, started at their first use: the trainer opens a Logger, then reopens it with
+        `resume` when it continues a run; a tracker run started by the first one would be a new, empty one."""
+        if self._trackers is None:
+            self._trackers = [TRACKERS[name](*self._tracker_args) for name in self.report_to]
+        return self._trackers
+
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.jsonl is None:
             return
@@ -59,6 +82,8 @@ class Logger:
         if self.tb:
             for k, v in values.items():
                 self.tb.add_scalar(k, v, step)
+        for t in self.trackers:
+            t.scalars(step, values)
 
     def samples(self, step: int, outputs, examples: list[dict], rewards: torch.Tensor, group_size: int,
                 limit: int = 32) -> None:
@@ -74,30 +99,201 @@ class Logger:
     def images(self, step: int, tag: str, images: torch.Tensor, captions: list[str], nrow: int = 8) -> None:
         """images [N, 3, H, W] in [-1, 1] -> one grid image, and the captions in grid order as text.
         Videos [N, 3, F, H, W] become strips of at most 8 evenly spaced frames, one video per row."""
-        if not self.tb:
+        if not self.tb and not self.trackers:
             return
+        from torchvision.transforms.functional import to_pil_image
         from torchvision.utils import make_grid
 
         if images.dim() == 5:
             images, nrow = video_strips(images), 1
         grid = make_grid((images.detach().float().cpu().clamp(-1, 1) + 1) / 2, nrow=nrow, padding=1, pad_value=1.0)
-        self.tb.add_image(tag, grid, step)
         rows = [" | ".join(captions[i:i + nrow]) for i in range(0, len(captions), nrow)]
-        self.tb.add_text(tag + "/prompts", "  \n".join(f"row {r}: {t}" for r, t in enumerate(rows)), step)
+        caption = "  \n".join(f"row {r}: {t}" for r, t in enumerate(rows))
+        if self.tb:
+            self.tb.add_image(tag, grid, step)
+            self.tb.add_text(tag + "/prompts", caption, step)
+        if self.trackers:
+            image = to_pil_image(grid)
+            for t in self.trackers:
+                t.image(step, tag, image, caption)
 
     def texts(self, step: int, tag: str, prompts: list[str], outputs: list[str], rewards: list[float]) -> None:
-        """Completions with their prompts and rewards, as one markdown table."""
-        if not self.tb:
-            return
-        esc = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-        rows = [f"| {esc(p)} | {esc(o)} | {r:.3f} |" for p, o, r in zip(prompts, outputs, rewards)]
-        self.tb.add_text(tag, "\n".join(["| prompt | completion | reward |", "|---|---|---|"] + rows), step)
+        """Completions with their prompts and rewards, as one table."""
+        columns, rows = ["prompt", "completion", "reward"], [list(r) for r in zip(prompts, outputs, rewards)]
+        if self.tb:
+            self.tb.add_text(tag, markdown_table(columns, rows), step)
+        for t in self.trackers:
+            t.table(step, tag, columns, rows)
 
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+        for t in self._trackers or ():
+            t.close()
+        self._trackers = []
+
+
+def markdown_table(columns: list[str], rows: list[list]) -> str:
+    """A markdown table; floats with 3 decimals, `|` and newlines in cells escaped."""
+    def cell(x) -> str:
+        return f"{x:.3f}" if isinstance(x, float) else str(x).replace("|", "\\|").replace("\n", " ")
+
+    return "\n".join("| " + " | ".join(map(cell, r)) + " |" for r in [columns, ["---"] * len(columns), *rows])
+
+
+# ---------------------------------------------------------------------- experiment trackers (log.report_to)
+
+RUN_IDS = "trackers.json"  # in the run folder: {tracker name: its run id}, continued by a resumed mmrl run
+
+
+class Tracker(abc.ABC):
+    """An experiment tracker beside TensorBoard: gets what the Logger logs, on rank 0 only. Its __init__(out_dir,
+    config dict, resume) starts its run, or continues the folder's one when resuming (_run_id); `package` is the
+    library it needs, from the extra of the same name: pip install 'mmrl[<name>]'."""
+
+    package = ""
+
+    @abc.abstractmethod
+    def scalars(self, step: int, values: dict[str, float]) -> None: ...
+
+    @abc.abstractmethod
+    def image(self, step: int, tag: str, image, caption: str) -> None:
+        """`image`: a PIL image (a grid of samples, or of video strips); `caption`: the prompts, row by row."""
+
+    @abc.abstractmethod
+    def table(self, step: int, tag: str, columns: list[str], rows: list[list]) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+def _run_id(out_dir: str, name: str, resume: bool, new_id) -> str:
+    """The id of `name`'s run for this run folder: the kept one when resuming (where there is one), else new_id()
+    (then kept in RUN_IDS for a later resume)."""
+    path, ids = os.path.join(out_dir, RUN_IDS), {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            ids = json.load(f)
+    if resume and name in ids:
+        return ids[name]
+    ids[name] = new_id()
+    with open(path, "w") as f:
+        json.dump(ids, f, indent=2)
+    return ids[name]
+
+
+class WandbTracker(Tracker):
+    """Weights & Biases: project $WANDB_PROJECT (else "mmrl"), the run named after the run folder, its files in
+    $WANDB_DIR (else the run folder)/wandb; WANDB_MODE=offline keeps everything there (`wandb sync` uploads it)."""
+
+    package = "wandb"
+
+    def __init__(self, out_dir: str, config: dict, resume: bool):
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "mmrl", name=_run_name(out_dir),
+                              dir=os.environ.get("WANDB_DIR") or out_dir, resume="allow",
+                              config=config, allow_val_change=True,  # settings changed on --resume
+                              id=_run_id(out_dir, "wandb", resume, lambda: uuid.uuid4().hex[:12]))
+
+    def scalars(self, step, values):
+        self.run.log(values, step=step)
+
+    def image(self, step, tag, image, caption):
+        self.run.log({tag: self.wandb.Image(image, caption=caption)}, step=step)
+
+    def table(self, step, tag, columns, rows):
+        self.run.log({tag: self.wandb.Table(columns=columns, data=rows)}, step=step)
+
+    def close(self):
+        self.run.finish()
+
+
+class MlflowTracker(Tracker):
+    """MLflow, local first: the server of $MLFLOW_TRACKING_URI where it is set, else a SQLite store in the run
+    folder (mlflow.db, artifacts in mlartifacts/; MLflow 3 refuses plain mlruns/ folders); experiment
+    $MLFLOW_EXPERIMENT_NAME (else "mmrl"); the config as params (flattened, values cut to PARAM_CHARS)."""
+
+    package = "mlflow"
+    PARAM_CHARS = 500  # the longest param value every MLflow server accepts (newer ones take 6000)
+
+    def __init__(self, out_dir: str, config: dict, resume: bool):
+        import mlflow
+        from mlflow.entities import Metric, Param
+
+        self.Metric, out = Metric, pathlib.Path(out_dir).absolute()
+        local = not os.environ.get("MLFLOW_TRACKING_URI")
+        self.client = mlflow.MlflowClient(f"sqlite:///{out / 'mlflow.db'}" if local else None)
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "mmrl"
+        exp = self.client.get_experiment_by_name(name)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(
+            name, artifact_location=(out / "mlartifacts").as_uri() if local else None)
+        new_run = lambda: self.client.create_run(exp_id, run_name=_run_name(out_dir)).info.run_id  # noqa: E731
+        self.run_id = _run_id(out_dir, "mlflow", resume, new_run)
+        self.client.update_run(self.run_id, status="RUNNING")
+        logged = self.client.get_run(self.run_id).data.params  # a resumed run keeps its first values
+        self.client.log_batch(self.run_id, params=[Param(k, str(v)[:self.PARAM_CHARS])
+                                                   for k, v in _flat(config).items() if k not in logged])
+
+    def scalars(self, step, values):
+        ms = int(time.time() * 1000)
+        metrics = [self.Metric(_mlflow_key(k), v, ms, step) for k, v in values.items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def image(self, step, tag, image, caption):
+        self.client.log_image(self.run_id, image, key=_mlflow_key(tag), step=step)
+        self.client.log_text(self.run_id, caption, f"{tag}/step_{step:06d}_prompts.md")
+
+    def table(self, step, tag, columns, rows):
+        self.client.log_text(self.run_id, markdown_table(columns, rows), f"{tag}/step_{step:06d}.md")
+
+    def close(self):
+        self.client.set_terminated(self.run_id)
+
+
+TRACKERS: dict[str, type[Tracker]] = {"wandb": WandbTracker, "mlflow": MlflowTracker}
+NOT_TRACKERS = {"tensorboard": "TensorBoard is log.tensorboard=true, on by default",
+                "trackio": "trackio is not supported: it needs pillow<13 and mmrl pins pillow 13; mlflow is the "
+                           "local-first tracker"}
+
+
+def check_report_to(names) -> list[str]:
+    """log.report_to checked before anything starts: a name not in TRACKERS -> ValueError listing them; a tracker
+    whose library is not installed -> ImportError naming its extra. Returns the names (one string is one name)."""
+    names = list(dict.fromkeys([names] if isinstance(names, str) else names or []))
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        hints = "".join(f"; {NOT_TRACKERS[n]}" for n in unknown if n in NOT_TRACKERS)
+        raise ValueError(f"log.report_to: unknown tracker(s) {', '.join(map(repr, unknown))}; valid: "
+                         f"{', '.join(TRACKERS)}{hints}")
+    for n in names:
+        if importlib.util.find_spec(TRACKERS[n].package) is None:
+            raise ImportError(f"log.report_to={n} needs the {TRACKERS[n].package} package: pip install 'mmrl[{n}]'")
+    return names
+
+
+def _run_name(out_dir: str) -> str:
+    return os.path.basename(os.path.abspath(out_dir))
+
+
+def _config_dict(config) -> dict:
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config or {})
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}; empty dicts stay leaves."""
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out
+
+
+def _mlflow_key(key: str) -> str:
+    """MLflow keys take letters, digits and _ - . / and spaces: anything else becomes _."""
+    return re.sub(r"[^\w\-. /]", "_", key)
 
 
 def _count_lines(path: str) -> int:
