@@ -210,7 +210,7 @@ def sample_chunk(t: TrainConfig) -> int:
 class LogConfig:
     out_dir: str = "runs/shapes_grpo"
     tensorboard: bool = True
-    report_to: list = field(default_factory=list)  # more trackers beside TensorBoard: wandb, trackio, mlflow
+    report_to: list[str] = field(default_factory=list)  # more trackers beside TensorBoard: wandb, mlflow (docs/trackers.md)
     image_every: int = 10         # iterations between image grids
     eval_every_min: float = 0.0   # > 0: also evaluate each time this many minutes of the run have passed (the
                                   # evaluations count in train.time_budget_min); results.json lists them

@@ -22,6 +22,7 @@ import os
 from mmrl import compose
 from mmrl.config import Config, policy_kind
 from mmrl.distributed import check_parallel_config
+from mmrl.metrics import check_report_to
 from mmrl.models.pixel_t2i import PIPELINE_CLASS
 from mmrl.policy.base import resolve_model_path
 from mmrl.reward import plain_function_args
@@ -51,6 +52,7 @@ def check(cfg: Config, nproc: int = 1, config_path: str | None = None) -> list[s
             kwargs = cfg.reward.kwargs if key == "name" else cfg.reward.eval_kwargs
             run(_check_kwargs, compose.REWARDS, name, kwargs, "reward" if key == "name" else "reward.eval", config_path)
     run(check_parallel_config, cfg, nproc)
+    run(check_report_to, cfg.log.report_to)
     return problems
 
 
