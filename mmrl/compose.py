@@ -73,6 +73,9 @@ def _check_objective(cfg: Config) -> None:
     a, s = cfg.algo, cfg.sampler
     if objective(a.policy_loss) != "forward":
         _choice("sampler.kind", s.kind, SDE_KINDS)
+        if a.policy_loss == "flow_dppo" and (policy_kind(cfg.model.policy) != "flow" or a.ratio != "none"):
+            raise ValueError("algo.policy_loss=flow_dppo bounds the exact KL of flow SDE steps: use a flow policy "
+                             "and algo.ratio=none (its trust region replaces ratio transforms)")
         return
     _choice("sampler.kind", s.kind, SDE_KINDS + ("ode",))
     fix = f"algo.policy_loss={a.policy_loss} trains on the forward process of final samples"

@@ -2,7 +2,7 @@
 listed at once, in seconds.
 
 What is checked beyond the config's keys, types and registry names (mmrl.compose.load_config):
-- model.path: a folder (or a Hugging Face id already in the local cache) whose model_index.json / config.json
+- model.path (built-in policies): a folder (or a Hugging Face id already in the local cache) whose model_index.json / config.json
   reads, with every component folder model_index.json names;
 - every file the task and the rewards name (task.prompt_file, task.kwargs *_file / annotations / *_dir /
   durations, reward kwargs *_path / *_dir / *_file): exists; prompt files are UTF-8 (file:line of a bad byte);
@@ -42,7 +42,8 @@ def check(cfg: Config, nproc: int = 1, config_path: str | None = None) -> list[s
         except (ValueError, FileNotFoundError, KeyError, ImportError, TypeError) as e:
             problems.append(str(e).strip("'\""))
 
-    run(_check_model, cfg, config_path)
+    if policy_kind(cfg.model.policy) is not None:  # a user's own policy reads model.path its own way
+        run(_check_model, cfg, config_path)
     if cfg.task.prompt_file:
         run(_check_path, "task.prompt_file", cfg.task.prompt_file, config_path, True)
     run(_check_kwargs, compose.TASKS, cfg.task.name, cfg.task.kwargs, "task", config_path)
