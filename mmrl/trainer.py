@@ -23,7 +23,7 @@ from tqdm import tqdm
 from mmrl import checkpoint as ckpt
 from mmrl import compose
 from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES,
-                             RATIO_TRANSFORMS, REWARD_SHAPINGS, WEIGHTINGS)
+                             RATIO_TRANSFORMS, REWARD_SHAPINGS, WEIGHTINGS, LossContext)
 from mmrl.algorithms.offpolicy import injection_diagnostics
 from mmrl.algorithms.weighting import truncated_is
 from mmrl.config import Config, sample_chunk
@@ -246,9 +246,10 @@ class Trainer:
         optimizer step's sizes: the gradients of the parts add up to the gradient of the whole minibatch."""
         a = self.cfg.algo
         kw = {} if actions is None else {"actions": actions}
-        if a.kl_coef > 0:  # before the forward with gradients: the EMA reference swaps the weights in place
-            with torch.no_grad(), self.ema.swapped() if a.kl_reference == "ema" else self.policy.reference():
-                ref = self.policy.log_prob(rollout, idx, **kw)
+        loss_fn, ref = POLICY_LOSSES[a.policy_loss], None  # a loss may read a LossContext (needs_output)
+        if a.kl_coef > 0 or getattr(loss_fn, "needs_reference", False):  # before the forward with gradients (the
+            with torch.no_grad(), self.ema.swapped() if a.kl_reference == "ema" else self.policy.reference():  # EMA
+                ref = self.policy.log_prob(rollout, idx, **kw)  # reference swaps the weights in place)
         with self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
             out = self.policy.log_prob(rollout, idx, **kw)
         deferred = torch.isnan(rollout.old_log_prob[idx])
@@ -260,9 +261,8 @@ class Trainer:
         dev = out.log_prob.device  # the loss runs where the log-probs are; bookkeeping comes from CPU
         mb = rollout.select(idx).to(dev)
         logp = RATIO_TRANSFORMS[a.ratio](out.log_prob, mb.old_log_prob, mb, out)
-        loss_fn = POLICY_LOSSES[a.policy_loss]  # forward-process losses (nft) read the velocities in `out` too
-        loss_a, s = loss_fn(logp, mb.old_log_prob, adv[idx].to(dev), a, *((out,) if getattr(loss_fn, "needs_output",
-                                                                                              False) else ()))
+        ctx = (LossContext(out, ref, mb.group_id),) if getattr(loss_fn, "needs_output", False) else ()
+        loss_a, s = loss_fn(logp, mb.old_log_prob, adv[idx].to(dev), a, *ctx)
         if a.kl_coef > 0:
             kl = KL_ESTIMATORS[a.kl](out, ref)
             loss_a = loss_a + a.kl_coef * kl

@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # method -> (config, overrides)
 METHODS = {"grpo": ("configs/t2i/shapes_grpo.yaml", []), "nft": ("configs/t2i/shapes_nft.yaml", []),
            "awm": ("configs/t2i/shapes_awm.yaml", []), "flash": ("configs/t2i/shapes_mixgrpo_flash.yaml", []),
+           "dgpo": ("configs/t2i/shapes_dgpo.yaml", []), "flow_dppo": ("configs/t2i/shapes_flow_dppo.yaml", []),
            "flash_random": ("configs/t2i/shapes_mixgrpo_flash.yaml", ["sampler.window_schedule=random"]),
            "awm_ema_kl": ("configs/t2i/shapes_awm.yaml", ["algo.kl_coef=0.1", "algo.kl=flow_velocity",
                                                            "algo.kl_reference=ema", "train.ema_decay=0.9"])}
@@ -32,7 +33,7 @@ def launch(method: str, seed: int, minutes: float, out: str, extra: list[str]) -
              f"log.out_dir={out}", "log.image_every=0", *extra]
     log = open(os.path.join(out + ".log"), "w")
     config, overrides = METHODS[method]
-    return subprocess.Popen([sys.executable, "-m", "mmrl.cli", "train", config, *overrides, *items], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "mmrl.cli", "train", config, "--overwrite", *overrides, *items], cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 

@@ -19,7 +19,8 @@ def test_the_mask_by_hand():
     kl = torch.tensor([[0.5, 0.05, 0.5, 0.5, 0.5]])
     old = torch.zeros(1, 5)
     logp = torch.log(ratio).requires_grad_()
-    loss, s = POLICY_LOSSES["flow_dppo"](logp, old, adv, cfg, SimpleNamespace(stats={"ratio_bias": kl}))
+    loss, s = POLICY_LOSSES["flow_dppo"](logp, old, adv, cfg,
+                                       SimpleNamespace(out=SimpleNamespace(stats={"ratio_bias": kl})))
     # 1: far, up, good -> dropped; 2: near -> kept; 3: far but moving back (rho < 1, A > 0) -> kept;
     # 4: far, down, bad -> dropped; 5: far, up, bad (corrective) -> kept
     assert s["clipped"].tolist() == [[1.0, 0.0, 0.0, 1.0, 0.0]]

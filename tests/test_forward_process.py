@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mmrl.algorithms import KL_ESTIMATORS, POLICY_LOSSES
+from mmrl.algorithms import KL_ESTIMATORS, POLICY_LOSSES, LossContext
 from mmrl.algorithms.losses import nft_optimality
 from mmrl.compose import load_config
 from mmrl.data import PolicyOutput
@@ -35,7 +35,8 @@ def test_nft_loss_by_hand():
     stats = {"velocity": v, "old_velocity": torch.tensor([[[1.0, 0.0]]]), "target": torch.zeros(1, 1, 2),
              "sigma": torch.tensor([[0.5]])}
     lp = torch.zeros(1, 1)
-    loss, s = POLICY_LOSSES["nft"](lp, lp, torch.tensor([2.5]), cfg, PolicyOutput(lp, stats))
+    loss, s = POLICY_LOSSES["nft"](lp, lp, torch.tensor([2.5]), cfg, LossContext(PolicyOutput(lp, stats), None,
+                                                                                  torch.zeros(1)))
     # v+ = v = (2, 1): d+ = t (target - v+) = (-1, -0.5): mean d^2 = 0.625, mean |d| = 0.75 -> l+ = 0.83333
     # v- = 2 v_old - v = (0, -1): d- = (0, 0.5): mean d^2 = 0.125, mean |d| = 0.25 -> l- = 0.5
     # r = 0.75: L = 5 (0.75 * 0.83333 + 0.25 * 0.5) / 1 = 3.75
@@ -58,7 +59,7 @@ def test_nft_on_policy_gradient_is_advantage_weighted_matching():
         v = v_old.clone().requires_grad_(True)
         stats = {"velocity": v, "old_velocity": v_old, "target": target, "sigma": torch.tensor([[0.7]])}
         loss, _ = POLICY_LOSSES["nft"](torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor([adv]), cfg,
-                                       PolicyOutput(torch.zeros(1, 1), stats))
+                                       LossContext(PolicyOutput(torch.zeros(1, 1), stats), None, torch.zeros(1)))
         loss.sum().backward()
         grads.append(v.grad.clone())
     d = 0.7 * (target - v_old)

@@ -109,8 +109,9 @@ def test_export_writes_a_pipeline_diffusers_loads(sd3_dir, tmp_path, lora):
     with torch.no_grad():
         torch.testing.assert_close(merged.velocity(x, torch.tensor([0.5]), enc, pooled),
                                    pol.model.velocity(x, torch.tensor([0.5]), enc, pooled), atol=1e-5, rtol=1e-5)
+    assert main(["export", str(tmp_path / "policy"), str(tmp_path / "merged")]) == 2  # one message, no traceback
     with pytest.raises(FileExistsError, match="not empty"):
-        main(["export", str(tmp_path / "policy"), str(tmp_path / "merged")])
+        main(["export", str(tmp_path / "policy"), str(tmp_path / "merged"), "--debug"])
 
 
 def test_bf16_base_trains_fp32_weights(sd3_dir, tmp_path):

@@ -20,11 +20,11 @@ import torch
 from mmrl.algorithms.losses import POLICY_LOSSES, _per_action
 
 
-def flow_dppo(log_prob, old_log_prob, advantages, cfg, out):
-    """(loss [n, A], stats): see the module docstring. out.stats["ratio_bias"] [n, A] is the step KL."""
+def flow_dppo(log_prob, old_log_prob, advantages, cfg, ctx):
+    """(loss [n, A], stats): see the module docstring. ctx.out.stats["ratio_bias"] [n, A] is the step KL."""
     adv = _per_action(advantages, log_prob)
     ratio = torch.exp(log_prob - old_log_prob)
-    kl = out.stats["ratio_bias"].to(log_prob)
+    kl = ctx.out.stats["ratio_bias"].to(log_prob)
     with torch.no_grad():
         drop = (kl >= cfg.dppo_kl_threshold) & (((ratio > 1) & (adv > 0)) | ((ratio < 1) & (adv < 0)))
     loss = -adv * ratio * (~drop).to(ratio.dtype)

@@ -7,11 +7,24 @@ num_actions are the sizes the loss is normalized by (explicit, so data-parallel 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from mmrl.registry import Registry
 
 POLICY_LOSSES = Registry("policy loss")
+
+
+@dataclass
+class LossContext:
+    """What a policy loss with `needs_output = True` gets as its fifth argument: the policy's outputs of this pass
+    (PolicyOutput: log-probs and statistics such as velocities), the reference policy's on the same actions (when
+    the loss sets `needs_reference = True`, or a KL is on; else None), and the rows' group ids [n]."""
+    out: Any
+    ref: Any
+    group_id: torch.Tensor
 LOSS_AGG = Registry("loss aggregation")
 
 
@@ -58,8 +71,8 @@ def seq_sum_norm(loss, mask, num_samples, num_actions):
 # ---------------------------------------------------------------------------------- forward-process losses
 # These train on the forward (noising) process of a rollout's final samples instead of its sampling steps; the
 # flow policy then scores "actions" that are noise levels t of a final sample x0 (docs/algorithms.md §10). Their
-# `objective` attribute tells the flow policy which rollout to record; `needs_output` that the loss reads the
-# policy's velocities (PolicyOutput.stats) besides the log-probs.
+# `objective` attribute tells the flow policy which rollout to record; `needs_output` that the loss reads a
+# LossContext (the policy's velocities in PolicyOutput.stats, the reference's outputs, group ids) besides the log-probs.
 
 
 def objective(policy_loss: str) -> str:
@@ -91,7 +104,7 @@ def _x0_error(d: torch.Tensor) -> torch.Tensor:
     return d.pow(2).mean(-1) / d.detach().abs().mean(-1).clamp(min=1e-5)
 
 
-def nft(log_prob, old_log_prob, advantages, cfg, out):
+def nft(log_prob, old_log_prob, advantages, cfg, ctx):
     """DiffusionNFT (arXiv 2509.16117): implicit positive / negative policies around the old (sampling) velocity,
 
         v+ = (1 - beta) v_old + beta v_theta,   v- = (1 + beta) v_old - beta v_theta,
@@ -101,8 +114,8 @@ def nft(log_prob, old_log_prob, advantages, cfg, out):
         L = c [ r l(v+) + (1 - r) l(v-) ] / beta,   l(v) = mean_d (x0_hat - x0)^2 / sg(mean_d |x0_hat - x0|),
 
     r = nft_optimality(A, c). Good samples (r > 1/2) pull v_theta towards their x0, bad ones push it away. Needs
-    out.stats "velocity", "old_velocity", "target" (eps - x0) [n, A, *D] and "sigma" (t) [n, A]."""
-    s, beta, c = out.stats, cfg.nft_beta, cfg.adv_clip
+    ctx.out.stats "velocity", "old_velocity", "target" (eps - x0) [n, A, *D] and "sigma" (t) [n, A]."""
+    s, beta, c = ctx.out.stats, cfg.nft_beta, cfg.adv_clip
     r = nft_optimality(_per_action(advantages, log_prob), c)                                 # [n, A]
     v, v_old = s["velocity"].float(), s["old_velocity"].float()
     t = s["sigma"].float().reshape(*s["sigma"].shape, *([1] * (v.dim() - 2)))                 # [n, A, 1...]

@@ -40,7 +40,6 @@ class Policy(Protocol):
 
     def context_parallel(self, mesh, kind: str) -> None:
         """train.context_parallel: split every forward of the trained networks' sequence over mesh["cp"]."""
-        raise ValueError(f"{type(self).__name__} has no context parallelism: set train.context_parallel=1")
 
     def enable_gradient_checkpointing(self) -> None: ...
 
@@ -72,6 +71,9 @@ class PolicyDefaults:
     def sync_weights(self) -> None:
         pass
 
+    def context_parallel(self, mesh, kind: str) -> None:
+        raise ValueError(f"{type(self).__name__} has no context parallelism: set train.context_parallel=1")
+
     def replace_outputs(self, rollout: Rollout, rows: torch.Tensor, outputs: list) -> Rollout:
         raise NotImplementedError(f"{type(self).__name__} cannot replace its outputs (algo.offpolicy=ground_truth needs "
                                   f"a token policy): set algo.offpolicy=none")
@@ -81,8 +83,12 @@ ADAPTER_FILE = "adapter_model.safetensors"
 
 
 def reference_kind(cfg) -> str:
-    """The KL reference a run needs: model.reference when algo.kl_coef > 0, else none (no frozen copy is kept)."""
-    return cfg.model.reference if cfg.algo.kl_coef > 0 else "none"
+    """The reference a run needs: model.reference when algo.kl_coef > 0 or the policy loss compares with a reference
+    (DGPO), else none (no frozen copy is kept)."""
+    from mmrl.algorithms import POLICY_LOSSES
+
+    needed = cfg.algo.kl_coef > 0 or getattr(POLICY_LOSSES[cfg.algo.policy_loss], "needs_reference", False)
+    return cfg.model.reference if needed else "none"
 
 
 def upcast_trainable(module: torch.nn.Module) -> None:
