@@ -34,6 +34,8 @@ class ModelConfig:
     device: str = "auto"          # auto = cuda if available else cpu
     sample_size: int | None = None  # latent size (H = W) override for diffusers pipelines (e.g. SD3 64 = 512 px)
     num_frames: int | None = None   # Wan: video frames (latent frames = (num_frames - 1) / 4 + 1); None = 81
+    text_max_length: int | None = None  # T5 / UMT5 prompt tokens (None: the pipeline's, SD3 256, FLUX / Wan 512;
+                                        # Flow-GRPO's SD3 recipes: 128)
     guidance: float = 3.5         # FLUX.1-dev guidance-embedding scale (FLUX distills CFG: keep sampler.cfg_scale 1)
     reference: str = "auto"       # KL reference: auto (adapters off with LoRA, else frozen copy) | none
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -52,6 +54,8 @@ class SamplerConfig:
     num_steps: int = 10           # training-time denoising steps (Flow-GRPO: ~10 for training)
     noise_level: float = 0.7      # a: 0.7 SD3 (Flow-GRPO), 0.9 FLUX; DanceGRPO eta 0.3; CPS a
     cfg_scale: float = 4.0        # CFG in sampling AND in the log-prob recomputation (same scale)
+    cfg_grad: str = "cond"        # the training gradient through CFG: cond = the unconditional branch detached
+                                  # (Flow-GRPO's train_sd3.py) | full = through both branches
     shift: float = 1.0            # FlowMatchEulerDiscreteScheduler shift (SD3: 3.0)
     sde_window_size: int = 0      # SDE on a window of this many steps, ODE elsewhere; 0 = every trainable step
     sde_window_range: list[int] = field(default_factory=lambda: [0, -1])  # [lo, hi) window starts; -1 = last step
@@ -267,6 +271,7 @@ class Config:
         _choice("train.parallel", self.train.parallel, ("none", "ddp", "fsdp"))
         _choice("train.mixed_precision", self.train.mixed_precision, ("no", "bf16"))
         _choice("train.cp_kind", self.train.cp_kind, ("ulysses", "ring"))
+        _choice("sampler.cfg_grad", self.sampler.cfg_grad, ("cond", "full"))
         t = self.train
         if t.context_parallel < 1:
             raise ValueError(f"train.context_parallel must be >= 1 (1 = off), got {t.context_parallel}")
@@ -341,10 +346,10 @@ class Config:
 
     # keys that only one kind of policy reads: set for the other, they would be ignored silently
     FLOW_ONLY = {"sampler": ("kind", "num_steps", "noise_level", "cfg_scale", "shift", "sde_window_size",
-                             "sde_window_range", "logprob_reduce", "shared_noise", "eval_steps", "eval_cfg_scale",
+                             "sde_window_range", "logprob_reduce", "shared_noise", "eval_steps", "eval_cfg_scale", "cfg_grad",
                              "window_schedule", "window_shift_every", "ode_solver", "ode_stride", "forward_timesteps",
                              "forward_t_range"),
-                 "model": ("sample_size", "num_frames", "guidance", "text_cache", "offload")}
+                 "model": ("sample_size", "num_frames", "guidance", "text_cache", "offload", "text_max_length")}
     TOKEN_ONLY = {"sampler": ("temperature", "top_p", "max_new_tokens", "engine", "vllm"),
                   "model": ("shared_prefix", "freeze_vision")}
 

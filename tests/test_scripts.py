@@ -20,7 +20,8 @@ def run(*args):
                                     "scripts/sft_grounding.py", "benchmarks/bench_vlm_step.py", "benchmarks/bench_prefix.py",
                                     "scripts/export_smollm2.py", "benchmarks/bench_rollout.py", "scripts/bench_motion.py",
                                     "scripts/bench_pairwise.py", "benchmarks/bench_reward_server.py",
-                                    "benchmarks/bench_memory.py", "scripts/gpu_check.py", "scripts/compare_flow_rl.py"])
+                                    "benchmarks/bench_memory.py", "scripts/gpu_check.py", "scripts/compare_flow_rl.py",
+                                    "scripts/bench_text_length.py"])
 def test_help(script):
     r = run(script, "--help")
     assert r.returncode == 0 and "usage" in r.stdout
@@ -164,3 +165,10 @@ def test_compare_flow_rl_quick(tmp_path):
         run_ = m["per_seed"][0]
         assert run_["iterations"] > 0 and run_["half"] is not None and 0.4 < run_["half_minutes"] / 0.5 < 2
         assert m["gain_full"] == pytest.approx(m["full"] - res["base"])
+
+
+def test_bench_text_length_quick():
+    r = run("scripts/bench_text_length.py", "--quick")
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(got["seconds"]) == {"256", "128"} and got["speedup"] > 0

@@ -54,11 +54,13 @@ class FlowModel:
     transformer_2: torch.nn.Module | None = None  # Wan2.2 A14B: the low-noise expert, used below `boundary`
     boundary: float | None = None                # sigma at which transformer_2 takes over (boundary_ratio)
     lockstep: bool = False                       # several processes: both experts run on every call (see _forward)
+    cfg_grad: str = "full"                       # the gradient through CFG: full | cond (unconditional branch detached)
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, enc: torch.Tensor, pooled: torch.Tensor,
                  cfg_scale: float = 1.0, neg: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Guided velocity. x: [N, C, H, W]; sigma: [N]; enc: [N, L, D]; pooled: [N, P];
-        neg: (enc, pooled) of the empty prompt, [N, L, D] and [N, P], required when cfg_scale != 1."""
+        neg: (enc, pooled) of the empty prompt, [N, L, D] and [N, P], required when cfg_scale != 1. The value is
+        v_u + w (v_c - v_u) either way; `cfg_grad` says whether its gradient goes through v_u (full) or not (cond)."""
         if cfg_scale == 1.0:
             return self._forward(x, sigma, enc, pooled)
         if neg is None:
@@ -66,6 +68,8 @@ class FlowModel:
         v = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([neg[0], enc]),
                           torch.cat([neg[1], pooled]))
         v_u, v_c = v.chunk(2)
+        if self.cfg_grad == "cond":  # Flow-GRPO's reference: d v / d theta = w d v_c / d theta
+            v_u = v_u.detach()
         return v_u + cfg_scale * (v_c - v_u)
 
     def initial_noise(self, seeds: list[int], device="cpu") -> torch.Tensor:

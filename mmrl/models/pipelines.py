@@ -103,8 +103,10 @@ def wan_coord_call(transformer, x, sigma, enc, pooled):
 
 
 def load_pipeline_model(cls: str, path: str, dtype: torch.dtype, device: str, sample_size: int | None,
-                        num_frames: int | None, guidance: float):
-    """A FlowModel of the diffusers pipeline folder `path` whose model_index.json names `cls`."""
+                        num_frames: int | None, guidance: float, text_max_length: int | None = None):
+    """A FlowModel of the diffusers pipeline folder `path` whose model_index.json names `cls`. text_max_length:
+    the T5 / UMT5 prompt length (the pipeline's default when None: SD3 256, FLUX 512, Wan 512)."""
+    length_kw = {} if text_max_length is None else {"max_sequence_length": text_max_length}
     import diffusers
 
     pipe = getattr(diffusers, cls).from_pretrained(path, dtype=dtype).to(device)
@@ -113,7 +115,7 @@ def load_pipeline_model(cls: str, path: str, dtype: torch.dtype, device: str, sa
     if cls == "WanPipeline":
         @torch.no_grad()
         def encode(texts):
-            enc, _ = pipe.encode_prompt(list(texts), do_classifier_free_guidance=False, device=pipe.device)
+            enc, _ = pipe.encode_prompt(list(texts), do_classifier_free_guidance=False, device=pipe.device, **length_kw)
             return enc, enc.new_zeros(len(texts), 0)
 
         decode = _wan_vae_decoder(vae)  # [N, 16, F', H, W] -> video [N, 3, F, 8H, 8W] in [-1, 1]
@@ -134,7 +136,7 @@ def load_pipeline_model(cls: str, path: str, dtype: torch.dtype, device: str, sa
     if cls == "FluxPipeline":
         @torch.no_grad()
         def encode(texts):
-            length = min(512, pipe.tokenizer_2.model_max_length)
+            length = text_max_length or min(512, pipe.tokenizer_2.model_max_length)
             enc, pooled, _ = pipe.encode_prompt(list(texts), list(texts), device=pipe.device, max_sequence_length=length)
             return enc, pooled
 
@@ -146,7 +148,7 @@ def load_pipeline_model(cls: str, path: str, dtype: torch.dtype, device: str, sa
         @torch.no_grad()
         def encode(texts):
             enc, _, pooled, _ = pipe.encode_prompt(list(texts), list(texts), list(texts), device=pipe.device,
-                                                   do_classifier_free_guidance=False)
+                                                   do_classifier_free_guidance=False, **length_kw)
             return enc, pooled
 
         channels, call = tr.config.in_channels, sd3_call
@@ -253,10 +255,11 @@ def make_clip_encoder(tokenizer, text_encoder) -> EncodeFn:
 
 
 def load_flow_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                    sample_size: int | None = None, num_frames: int | None = None, guidance: float = 3.5) -> FlowModel:
+                    sample_size: int | None = None, num_frames: int | None = None, guidance: float = 3.5,
+                    text_max_length: int | None = None) -> FlowModel:
     """Load a flow generator folder: a diffusers SD3 / FLUX / Wan pipeline or mmrl's pixel model.
     `sample_size` overrides the latent size (H = W) of pipelines, `num_frames` the video length of Wan,
-    `guidance` is FLUX's guidance-embedding scale."""
+    `guidance` is FLUX's guidance-embedding scale, `text_max_length` the T5 / UMT5 prompt length."""
     index_file = os.path.join(path, "model_index.json")
     if not os.path.isfile(index_file):
         raise FileNotFoundError(f"{path!r} has no model_index.json: point model.path at a diffusers "
@@ -267,7 +270,7 @@ def load_flow_model(path: str, dtype: torch.dtype = torch.float32, device: str =
         model = _pixel_model(path, dtype)
     elif cls in PIPELINES or cls == "StableDiffusion3Img2ImgPipeline":
         cls = "StableDiffusion3Pipeline" if cls.startswith("StableDiffusion3") else cls
-        model = load_pipeline_model(cls, path, dtype, device, sample_size, num_frames, guidance)
+        model = load_pipeline_model(cls, path, dtype, device, sample_size, num_frames, guidance, text_max_length)
     else:
         raise ValueError(f"unsupported pipeline class {cls!r} in {index_file}; supported: "
                          f"{PIPELINE_CLASS}, {', '.join(PIPELINES)}")

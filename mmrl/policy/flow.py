@@ -41,6 +41,7 @@ class FlowPolicy(PolicyDefaults):
         from mmrl.config import TreeConfig
 
         self.model, self.cfg, self.model_path, self.progress = model, sampler_cfg, model_path, progress
+        self.model.cfg_grad = sampler_cfg.cfg_grad
         self.tree = tree_cfg or TreeConfig()
         self.model_options = model_options or {}  # how the base was loaded (sample_size ...), kept in checkpoints
         self.device = next(model.transformer.parameters()).device
@@ -435,7 +436,8 @@ def build_flow_policy(cfg) -> FlowPolicy:
     if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
         raise ValueError(f"{path!r} is an mmrl policy checkpoint; use it with mmrl eval, or set model.path to a "
                          f"base model folder")
-    options = {"sample_size": cfg.model.sample_size, "num_frames": cfg.model.num_frames, "guidance": cfg.model.guidance}
+    options = {"sample_size": cfg.model.sample_size, "num_frames": cfg.model.num_frames, "guidance": cfg.model.guidance,
+               "text_max_length": cfg.model.text_max_length}
     model = load_flow_model(path, dtype, device, **options)
     return FlowPolicy(model, cfg.sampler, cfg.model.lora, reference_kind(cfg), path, cfg.log.progress, cfg.tree,
                       options, sample_chunk(cfg.train), cfg.model.text_cache, cfg.model.offload,
