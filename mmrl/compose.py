@@ -86,8 +86,9 @@ def _check_objective(cfg: Config) -> None:
     if a.weighting != "none" or a.ratio != "none" or (a.kl_coef > 0 and a.kl == "flow_mean"):
         raise ValueError(f"{fix}; algo.weighting, algo.ratio and algo.kl=flow_mean act on SDE steps: set "
                          f"algo.weighting=none, algo.ratio=none, algo.kl=flow_velocity")
-    if a.policy_loss == "dgpo" and (cfg.model.reference == "none" or cfg.train.minibatches != 1 or cfg.train.micro_batch):
-        raise ValueError("algo.policy_loss=dgpo compares each sample's error with the reference's and sums them over "
+    if a.policy_loss in ("dgpo", "dpo") and (cfg.model.reference == "none" or cfg.train.minibatches != 1
+                                            or cfg.train.micro_batch):
+        raise ValueError(f"algo.policy_loss={a.policy_loss} compares each sample's error with the reference's over "
                          "whole groups in one pass: set model.reference=auto, train.minibatches=1, train.micro_batch=0")
     if s.kind == "ode" and s.shared_noise:
         raise ValueError("sampler.kind=ode with sampler.shared_noise: every sample of a group would be the same image "

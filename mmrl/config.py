@@ -151,6 +151,7 @@ class AlgoConfig:
     kl_coef: float = 0.0          # beta; Flow-GRPO GenEval: 0.004 .. 0.04; GRPO-Guard: 0
     kl_reference: str = "base"    # the KL's reference: base (the frozen initial model) | ema (the EMA of the trained
                                   # weights, train.ema_decay, which evaluation also uses)
+    dpo_beta: float = 2000.0      # online Diffusion-DPO (policy_loss=dpo) on each group's best / worst sample
     dgpo_beta: float = 100.0      # DGPO (policy_loss=dgpo): the group preference's inverse temperature
     dppo_kl_threshold: float = 1e-5  # Flow-DPPO (policy_loss=flow_dppo): the step-KL trust region tau
     nft_beta: float = 1.0         # DiffusionNFT (policy_loss=nft): how far the implicit policies sit from v_old

@@ -1,6 +1,6 @@
 """Pure algorithm functions, one registry per axis."""
 
-from mmrl.algorithms import dgpo, flow_dppo  # noqa: F401  (register POLICY_LOSSES["dgpo"], ["flow_dppo"])
+from mmrl.algorithms import dgpo, dpo, flow_dppo  # noqa: F401  (register POLICY_LOSSES dgpo, dpo, flow_dppo)
 from mmrl.algorithms.advantages import ADVANTAGES, CREDIT_ASSIGNMENTS, REWARD_AGGREGATIONS
 from mmrl.algorithms.kl import KL_ESTIMATORS
 from mmrl.algorithms.losses import LOSS_AGG, POLICY_LOSSES, LossContext
