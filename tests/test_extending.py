@@ -65,3 +65,17 @@ def test_the_examples_satisfy_the_protocols():
     finally:
         sys.path.remove(EXAMPLES)
     assert check_policy(build(cfg), task.eval_examples(), 3)["max_ratio_error"] < 1e-5
+
+
+def test_your_own_objective_trains_by_name(tiny_pixel_model, tmp_path, monkeypatch):
+    """docs/examples/my_objective.py named in a config (algo.policy_loss: my_objective:reinforce) trains."""
+    monkeypatch.syspath_prepend(EXAMPLES)
+    from mmrl.compose import load_config
+    from mmrl.trainer import Trainer
+
+    tr = Trainer(load_config(os.path.join(ROOT, "configs/tiny/flow_smoke.yaml"), [
+        f"model.path={tiny_pixel_model}", "algo.policy_loss=my_objective:reinforce", f"log.out_dir={tmp_path}",
+        "log.tensorboard=false"]))
+    before = [p.detach().clone() for p in tr.params]
+    m = tr.step(0)
+    assert m["train/clip_frac"] == 0 and any((p - q).abs().max() > 0 for p, q in zip(tr.params, before))
