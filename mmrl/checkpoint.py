@@ -152,10 +152,11 @@ def load_state(folder: str) -> tuple[str, dict] | None:
 def resume_trainer(tr) -> bool:
     """Load the newest intact checkpoint in log.out_dir into trainer `tr` (weights, EMA, optimizer, RNG, iteration,
     elapsed minutes, the start evaluation) and cut its logs back to that checkpoint; False when there is none."""
-    found = load_state(os.path.join(tr.cfg.log.out_dir, "checkpoints"))
-    if found is None:
+    found = load_state(os.path.join(tr.cfg.log.out_dir, "checkpoints")) if tr.dist.main else None
+    path = tr.dist.broadcast_object(found[0] if found else None)  # rank 0 picks: every rank resumes from one
+    if path is None:
         return False
-    path, state = found
+    state = found[1] if found else torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
     sharded = state["optimizer"] is None
     if sharded and (state.get("world") != tr.dist.world or tr.cfg.train.parallel != "fsdp"):
         raise ValueError(f"{path} was written by an FSDP run on {state.get('world')} processes; its optimizer "

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except USER_ERRORS as e:
-        if args.debug or os.environ.get("MMRL_DEBUG"):
+        if args.debug or os.environ.get("MMRL_DEBUG") or getattr(e, "mmrl_traceback", False):
             raise
         msg = str(e)[1:-1] if isinstance(e, KeyError) and str(e).startswith(("'", '"')) else str(e)
         print(f"mmrl {args.cmd}: error: {msg}\n(--debug shows the traceback)", file=sys.stderr)

@@ -56,7 +56,13 @@ def check_parallel_config(cfg, world: int, folder: bool = True) -> None:
                              f"train.context_parallel=1")
         check_cp(cp, world, kind=t.cp_kind)
         if folder:
-            check_model_folder(cfg.model.path, cp, t.cp_kind, cfg.model.sample_size, cfg.model.num_frames)
+            from mmrl.policy.base import resolve_model_path
+
+            try:
+                path = resolve_model_path(cfg.model.path)
+            except FileNotFoundError:
+                path = cfg.model.path  # check_model_folder says what is missing
+            check_model_folder(path, cp, t.cp_kind, cfg.model.sample_size, cfg.model.num_frames)
     if world <= 1:
         return
     if t.parallel == "none":
@@ -144,8 +150,13 @@ class Distributed:
         else:
             ro = policy.sample([examples[i] for i in groups], group_size, gen)
             ro.group_id = torch.tensor(groups, dtype=torch.long)[ro.group_id]
-        if pad:
-            ro = ro.select(torch.arange(len(share) * group_size))
+        if pad:  # the first G rows of each of this rank's groups; later rows of a group are padding copies
+            mine, taken, keep = set(share), {}, []
+            for i, g in enumerate(ro.group_id.tolist()):
+                if g in mine and taken.get(g, 0) < group_size:
+                    taken[g] = taken.get(g, 0) + 1
+                    keep.append(i)
+            ro = ro.select(torch.tensor(keep, dtype=torch.long))
         ro.group_id = ro.group_id + first_group
         return ro
 

@@ -50,7 +50,8 @@ def flat(d: dict, prefix: str = "") -> dict:
 
 def config_changes(saved: dict, cfg: Config) -> list[tuple[str, object, object]]:
     """(key, saved value, new value) of every key that differs (keys only one side has count as changed)."""
-    old, new = flat(saved), flat(to_dict(cfg))
+    defaults = flat(to_dict(Config()))  # a key added to mmrl after the run was saved: its default
+    old, new = {**defaults, **flat(saved)}, flat(to_dict(cfg))
     return [(k, old.get(k, "<absent>"), new.get(k, "<absent>")) for k in sorted(set(old) | set(new))
             if old.get(k, "<absent>") != new.get(k, "<absent>")]
 
@@ -114,10 +115,16 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     trainer = Trainer(cfg)
     if resume and not trainer.resume():
         log.warning("--resume: no checkpoint in %s/checkpoints; starting from scratch", cfg.log.out_dir)
+        trainer.reopen_logger((0, 0))  # what a run killed before its first save logged goes
     if trainer.dist.main:  # one writer
         with open(os.path.join(cfg.log.out_dir, "config.json"), "w") as f:
             json.dump(to_dict(cfg), f, indent=2)
-    results = trainer.fit()
+    try:
+        results = trainer.fit()
+    except Exception as e:  # after the first iteration, not a user error to print in one line: keep the traceback
+        if trainer.iteration > 0:
+            e.mmrl_traceback = True
+        raise
     trainer.dist.close()
     if trainer.dist.main:
         out = cfg.log.out_dir

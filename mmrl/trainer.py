@@ -248,8 +248,9 @@ class Trainer:
         kw = {} if actions is None else {"actions": actions}
         loss_fn, ref = POLICY_LOSSES[a.policy_loss], None  # a loss may read a LossContext (needs_output)
         if a.kl_coef > 0 or getattr(loss_fn, "needs_reference", False):  # before the forward with gradients (the
-            with torch.no_grad(), self.ema.swapped() if a.kl_reference == "ema" else self.policy.reference():  # EMA
-                ref = self.policy.log_prob(rollout, idx, **kw)  # reference swaps the weights in place)
+            with torch.no_grad(), self.ema.swapped() if a.kl_reference == "ema" else self.policy.reference(), \
+                    self.dist.autocast(self.cfg.train.mixed_precision, self.policy):  # EMA: in place; policy precision
+                ref = self.policy.log_prob(rollout, idx, **kw)
         with self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
             out = self.policy.log_prob(rollout, idx, **kw)
         deferred = torch.isnan(rollout.old_log_prob[idx])

@@ -158,3 +158,18 @@ def test_a_config_gets_its_own_run_folder(tmp_path):
     assert c.log.out_dir == os.path.join("runs", "my_experiment") and c.train.mixed_precision == "no"
     assert load_config(str(mine), ["log.out_dir=elsewhere"]).log.out_dir == "elsewhere"
     assert load_config(os.path.join(ROOT, "configs/t2i/shapes_grpo.yaml")).log.out_dir == "runs/shapes_grpo"
+
+
+def test_resume_of_an_older_run_and_of_a_run_without_checkpoints(tiny_pixel_model, tmp_path):
+    """A key mmrl added after a run was saved counts as its default (no refusal); a run killed before its first
+    checkpoint resumes from scratch with its logs cleared (no step twice)."""
+    out = tmp_path / "run"
+    train(cfg(tiny_pixel_model, out, "train.iterations=1"))
+    for c in checkpoints(out / "checkpoints") + [str(out)]:  # as written before model.text_max_length existed
+        saved = json.load(open(os.path.join(c, "config.json")))
+        del saved["model"]["text_max_length"]
+        json.dump(saved, open(os.path.join(c, "config.json"), "w"))
+    assert train(cfg(tiny_pixel_model, out, "train.iterations=2"), resume=True)["iterations"] == 2
+    shutil.rmtree(out / "checkpoints")  # killed before the first save: logs, no checkpoint
+    train(cfg(tiny_pixel_model, out, "train.iterations=2"), resume=True)
+    assert steps(out) == [0, 1] and tb_steps(out) == [0, 1]

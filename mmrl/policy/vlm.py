@@ -197,15 +197,15 @@ class TokenPolicy(PolicyDefaults):
     def sample(self, examples: list[dict], group_size: int, generator: torch.Generator,
                rows: torch.Tensor | None = None) -> Rollout:
         """G completions per example; rows [n]: only these whole groups of the B * G rows (several processes).
-        Group b samples from its own generator (seed + b; prefix-cache and vLLM engines), so a group is the same
-        whichever rank samples it; the rollout's group ids are the groups' indices in `examples`."""
+        Group b samples from its own seed, seed + b G (vLLM seeds a request's G children seed, seed + 1, ...), so a
+        group is the same whichever rank samples it; the rollout's group ids are the groups' indices in `examples`."""
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
         groups = list(range(len(examples))) if rows is None else (rows[::group_size] // group_size).tolist()
         usable = {id(ex) for ex in self._usable([examples[g] for g in groups])}
         groups = [g for g in groups if id(examples[g]) in usable]
         params = SamplingParams(self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p, group_size)
         completions, engine_lp = self._generate([self.encode_prompt(examples[g]) for g in groups], params, seed,
-                                                [seed + g for g in groups])                   # [N, C]
+                                                [seed + g * group_size for g in groups])      # [N, C]
         gid = torch.tensor(groups, dtype=torch.long).repeat_interleave(group_size)
         return self._rollout([examples[g] for g in groups for _ in range(group_size)], completions, gid,
                              engine_lp=engine_lp)
