@@ -6,7 +6,7 @@ real size (from `model.path`'s config files, or from a published architecture: m
 with the run's dtype and LoRA, and one training micro-batch is run through it on meta
 tensors:
   - parameters, trainable parameters, and the bytes of weights (frozen at model.dtype, trained in fp32), fp32
-    gradients, AdamW state (2 x fp32), EMA and the frozen KL reference copy when the run has them;
+    gradients, AdamW state (2 x fp32), EMA and the frozen reference copy (KL, DGPO, DPO) when the run has them;
   - activations per micro-batch at their peak: the tensors autograd saves for backward (attention as a fused
     kernel saves it: q, k, v, output and the log-sum-exp, never the L x L matrix) plus the largest block's once
     more (its backward's gradients); with gradient checkpointing the blocks' inputs plus twice the largest
@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mmrl.config import policy_kind, sample_chunk
 from mmrl.distributed import check_parallel_config, transformer_blocks
 from mmrl.models.architectures import ARCHITECTURES, FROZEN_PARTS
+from mmrl.policy.base import reference_kind
 
 GiB = 2**30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -408,8 +409,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
     n_params = experts * sum(p.numel() for p in model.parameters())
     trainable = experts * sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen_bytes = experts * sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    ref = n_params * dtype.itemsize if (cfg.algo.kl_coef > 0 and cfg.model.reference == "auto"
-                                        and not cfg.model.lora.enabled) else 0
+    ref = n_params * dtype.itemsize if (reference_kind(cfg) == "auto" and not cfg.model.lora.enabled) else 0
     shard = world * cp if t.parallel == "fsdp" else 1
     if policy_kind(cfg.model.policy) == "flow" and not cfg.model.offload:  # FlowPolicy.parallelize shards it
         ref /= shard
