@@ -73,9 +73,8 @@ class Trainer:
         self.timed_evals: list[dict] = []
         self.eval_start: dict | None = None  # the base model's held-out figures (kept across a resume)
         self.elapsed_min = 0.0  # training minutes so far (saved: a resumed run keeps its budget and lr schedule)
-        # One optimizer step per epoch: every row's first forward runs under the sampling weights, so the
-        # rollout's old log-probs are that forward's (detached) values; policies that must pay an extra
-        # forward for them (token policies) skip it.
+        # One optimizer step per epoch: every row's first forward runs under the sampling weights, so the rollout's
+        # old log-probs are that forward's (detached) values; policies that must pay a forward for them skip it.
         self.policy.defer_old_log_prob = cfg.train.minibatches == cfg.train.grad_accum
         self.logger = Logger(cfg.log.out_dir, cfg.log.tensorboard, enabled=self.dist.main, report_to=cfg.log.report_to,
                              config=cfg)
@@ -314,8 +313,7 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict:
         """Held-out benchmark of the current (EMA when enabled) weights; logged as eval/*."""
-        # through the runner: a sample whose reward fails scores 0 (and is logged) instead of ending the run; but at
-        # the start a reward that fails fails on everything: stop at its first failure, with its error
+        # a sample whose reward fails scores 0 (logged); at the start a failing reward stops at its first failure
         on_error = self.eval_reward.on_error
         self.eval_reward.on_error = "raise" if step == 0 else on_error
         try:
