@@ -23,11 +23,10 @@ from mmrl import compose
 from mmrl.config import Config, policy_kind
 from mmrl.distributed import check_parallel_config
 from mmrl.metrics import check_report_to
-from mmrl.models.pixel_t2i import PIPELINE_CLASS
+from mmrl.models.pipelines import missing_parts
 from mmrl.policy.base import resolve_model_path
 from mmrl.reward import plain_function_args
 
-PIXEL_PARTS = ("transformer", "text_encoder", "tokenizer")  # mmrl's pixel models (the embedded worlds)
 PATH_SUFFIXES = ("_file", "_path", "_dir", "annotations", "durations")
 NOT_PATHS = ("root", "dataset")  # created by the task (grounding_world's root) or a datasets name
 
@@ -71,9 +70,7 @@ def _check_model(cfg: Config, config_path: str | None) -> None:
             except (ValueError, UnicodeDecodeError) as e:
                 raise ValueError(f"{f} does not read as JSON ({e}): the model folder is damaged") from None
             if name == "model_index.json":  # a diffusers pipeline: each component's folder
-                parts = PIXEL_PARTS if index.get("_class_name") == PIPELINE_CLASS else \
-                    [k for k, v in index.items() if isinstance(v, list) and v[0]]
-                missing = [k for k in parts if not os.path.isdir(os.path.join(path, k))]
+                missing = missing_parts(path, index)
                 if missing:
                     raise FileNotFoundError(f"model.path={path!r}: model_index.json names {missing}, but the folder "
                                             f"has no {', '.join(m + '/' for m in missing)}; copy the whole pipeline")

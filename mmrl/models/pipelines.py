@@ -254,6 +254,16 @@ def make_clip_encoder(tokenizer, text_encoder) -> EncodeFn:
     return encode
 
 
+PIXEL_PARTS = ("transformer", "text_encoder", "tokenizer")  # mmrl's pixel models (the embedded worlds)
+
+
+def missing_parts(path: str, index: dict) -> list[str]:
+    """The component folders a pipeline's model_index.json names that `path` lacks."""
+    parts = PIXEL_PARTS if index.get("_class_name") == PIPELINE_CLASS else \
+        [k for k, v in index.items() if isinstance(v, list) and v[0]]
+    return [k for k in parts if not os.path.isdir(os.path.join(path, k))]
+
+
 def load_flow_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
                     sample_size: int | None = None, num_frames: int | None = None, guidance: float = 3.5,
                     text_max_length: int | None = None) -> FlowModel:
@@ -265,7 +275,11 @@ def load_flow_model(path: str, dtype: torch.dtype = torch.float32, device: str =
         raise FileNotFoundError(f"{path!r} has no model_index.json: point model.path at a diffusers "
                                 f"pipeline folder ({', '.join(PIPELINES)}) or an mmrl pixel-model folder "
                                 f"(scripts/pretrain_world.py writes one)")
-    cls = json.load(open(index_file)).get("_class_name")
+    index = json.load(open(index_file))
+    cls, missing = index.get("_class_name"), missing_parts(path, index)
+    if missing:  # else from_pretrained would look for them on the hub ("couldn't connect to huggingface.co")
+        raise FileNotFoundError(f"{path!r}: model_index.json names {missing}, but the folder has no "
+                                f"{', '.join(m + '/' for m in missing)}; copy the whole folder")
     if cls == PIPELINE_CLASS:
         model = _pixel_model(path, dtype)
     elif cls in PIPELINES or cls == "StableDiffusion3Img2ImgPipeline":
