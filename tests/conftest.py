@@ -62,3 +62,17 @@ def tiny_motion_model(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("models") / "tiny-motion")
     save_pipeline_parts(build_pipeline_parts(words, "tiny", 16, patch_size=4, frames=motion.FRAMES), path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_arithmetic_lm(tmp_path_factory) -> str:
+    """A tiny random-init causal LM (real Qwen2 class) with a tokenizer fitted to the arithmetic task's prompts."""
+    from mmrl.models.qwen_vl import build_causal_lm, build_tokenizer
+    from tasks import arithmetic
+
+    torch.manual_seed(0)
+    tok = build_tokenizer([p["prompt"] for p in arithmetic.problems("train", 10, 20)])
+    path = str(tmp_path_factory.mktemp("models") / "tiny-lm")
+    build_causal_lm(tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -95,16 +95,9 @@ def test_vlm_smoke_train_and_resume_bit_identical(tiny_vl, tiny_world, tmp_path)
     assert 0 <= ev["constant answer"]["iou"] <= 1 and ev["constant answer"]["n"] == ev[ck]["n"]
 
 
-def test_causal_lm_smoke_train(tmp_path):
+def test_causal_lm_smoke_train(tmp_path, tiny_arithmetic_lm):
     """A text-only causal LM on the arithmetic task through the real CLI (the SmolLM2 recipe, tiny model)."""
-    from mmrl.models.qwen_vl import build_causal_lm, build_tokenizer
-    from tasks import arithmetic
-
-    torch.manual_seed(0)
-    tok = build_tokenizer([p["prompt"] for p in arithmetic.problems("train", 10, 20)])
-    path = str(tmp_path / "tiny-lm")
-    build_causal_lm(tok).save_pretrained(path)
-    tok.save_pretrained(path)
+    path = tiny_arithmetic_lm
     r = mmrl("train", "configs/text/smollm2_arithmetic.yaml", f"model.path={path}", "train.iterations=2",
              "train.prompts_per_iter=2", "train.group_size=3", "task.eval_prompts=4", "train.threads=1",
              "task.kwargs.hi=20", "log.progress=false", f"log.out_dir={tmp_path / 'run'}")

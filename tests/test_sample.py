@@ -154,16 +154,9 @@ def test_exported_pixel_model_loads_by_parts_not_as_a_diffusers_pipeline(tiny_pi
     torch.testing.assert_close(images[0], images[1])
 
 
-def test_token_policy_completions_with_rewards(tmp_path):
+def test_token_policy_completions_with_rewards(tmp_path, tiny_arithmetic_lm):
     """A token policy (a tiny causal LM on the arithmetic task): completions and rewards in samples.jsonl."""
-    from mmrl.models.qwen_vl import build_causal_lm, build_tokenizer
-    from tasks import arithmetic
-
-    torch.manual_seed(0)
-    tok = build_tokenizer([p["prompt"] for p in arithmetic.problems("train", 10, 20)])
-    path = str(tmp_path / "tiny-lm")
-    build_causal_lm(tok).save_pretrained(path)
-    tok.save_pretrained(path)
+    path = tiny_arithmetic_lm
     out = tmp_path / "out"
     assert mmrl_sample("configs/text/smollm2_arithmetic.yaml", f"model.path={path}", "--n", "3", "task.kwargs.hi=20",
                        "sampler.max_new_tokens=4", "--out", str(out)) == 0
