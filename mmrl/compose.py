@@ -19,7 +19,7 @@ from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS
                              RATIO_TRANSFORMS, REWARD_AGGREGATIONS, REWARD_SHAPINGS, WEIGHTINGS)
 from mmrl.algorithms.losses import objective
 from mmrl.config import Config, TaskConfig, policy_kind
-from mmrl.config import load_config as parse_config
+from mmrl.config_files import load_config as parse_config
 from mmrl.policy import POLICIES
 from mmrl.registry import Registry
 from mmrl.reward import REWARDS, FunctionReward, plain_function_args
@@ -33,7 +33,7 @@ NESTED = {"reward": REWARDS, "judge": JUDGES}  # factory parameters that receive
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Parse and check a config (mmrl.config.load_config), then check every registry name it uses."""
+    """Parse and check a config (mmrl.config_files.load_config), then check every registry name it uses."""
     return check_choices(parse_config(path, overrides))
 
 

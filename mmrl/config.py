@@ -1,19 +1,13 @@
-"""Typed config: nested dataclasses are the single schema; YAML files are short overrides; `key=value` on the
-command line overrides both. Unknown keys and invalid values fail with a message that names the fix.
+"""Typed config: nested dataclasses are the single schema, with the checks of their values. YAML files and
+`key=value` overrides are read into it by mmrl/config_files.py (`load_config`). Unknown keys and invalid values fail
+with a message that names the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import os
-import re
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
-
-import yaml
 
 
 @dataclass
@@ -394,165 +388,6 @@ def policy_kind(name: str) -> str | None:
 def _choice(key: str, value: Any, valid: tuple) -> None:
     if value not in valid:
         raise ValueError(f"{key}: invalid value {value!r}; valid: {list(valid)}")
-
-
-# other frameworks' names (TRL's GRPOConfig, diffusers' training scripts) -> mmrl's key
-OTHER_NAMES = {"learning_rate": "train.lr", "num_generations": "train.group_size", "beta": "algo.kl_coef",
-               "epsilon": "algo.clip_range", "num_iterations": "train.inner_epochs",
-               "max_completion_length": "sampler.max_new_tokens", "gradient_accumulation_steps": "train.grad_accum",
-               "max_grad_norm": "train.max_grad_norm", "num_train_epochs": "train.iterations",
-               "output_dir": "log.out_dir", "seed": "train.seed", "bf16": "train.mixed_precision=bf16",
-               "loss_type": "algo.loss_agg", "scale_rewards": "algo.advantage",
-               "num_inference_steps": "sampler.num_steps", "guidance_scale": "sampler.cfg_scale", "lora_rank": "model.lora.rank", "rank": "model.lora.rank",
-               "pretrained_model_name_or_path": "model.path", "model_name_or_path": "model.path"}
-
-
-def _build(cls, data: dict, where: str):
-    """Instantiate dataclass `cls` from a dict, recursing into nested dataclasses; unknown keys error."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            close = difflib.get_close_matches(key, list(names), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            if key in OTHER_NAMES:
-                hint = f" Did you mean {OTHER_NAMES[key]!r}? (docs/python-api.md maps TRL's names to mmrl's)"
-            path = f"{where}.{key}" if where else key
-            raise ValueError(f"unknown config key {path!r}; valid keys{' of ' + where if where else ''}: "
-                             f"{sorted(names)}.{hint}")
-        f = names[key]
-        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-        if sub is not None and dataclasses.is_dataclass(sub):
-            kwargs[key] = _build(sub, value, f"{where}.{key}" if where else key)
-        else:
-            kwargs[key] = _coerce(value, hints[key], f"{where}.{key}" if where else key)
-    return cls(**kwargs)
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check `value` against the field's type hint (scalars, `X | None`, list[X], dict), recursing into lists;
-    accept '3e-5' (YAML reads it as a string) and ints where a float is expected. Raise naming the fix."""
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, a, key)
-            except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(errors[0])
-    if typing.get_origin(tp) is list:
-        if not isinstance(value, list):
-            raise ValueError(f"config key {key!r} expects a list ({_name(tp)}), got {value!r} "
-                             f"({type(value).__name__}): write {key}=[{value}]")
-        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
-    if tp is dict or typing.get_origin(tp) is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"config key {key!r} expects a mapping, got {value!r} ({type(value).__name__})")
-        return value
-    if tp is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if tp in (int, float, bool, str) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
-        return value
-    if tp is Any:
-        return value
-    raise ValueError(f"config key {key!r} expects {_name(tp)}, got {value!r} ({type(value).__name__})")
-
-
-def _name(tp: Any) -> str:
-    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
-
-
-def _set_dotted(data: dict, dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    d = data
-    for k in keys[:-1]:
-        d = d.setdefault(k, {})
-        if not isinstance(d, dict):
-            raise ValueError(f"override {dotted!r}: {k!r} is not a section")
-    d[keys[-1]] = value
-
-
-def parse_overrides(items: list[str]) -> dict:
-    """['train.lr=1e-4', 'log.out_dir=runs/x'] -> nested dict; values parsed as YAML scalars/lists."""
-    out: dict = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} must look like section.key=value (e.g. train.lr=1e-4)")
-        k, v = item.split("=", 1)
-        _set_dotted(out, k.strip(), yaml.load(v, Loader=Yaml12Loader) if v != "" else "")
-    return out
-
-
-def _merge(base: dict, over: dict) -> dict:
-    """Deep merge; a section that names another registry entry (`name`, `eval_name`) drops the base's
-    `kwargs` / `eval_kwargs`, which belonged to the old entry."""
-    out = dict(base)
-    for k in ("name", "eval_name"):
-        if k in over and over[k] != base.get(k):
-            out.pop(k.replace("name", "kwargs"), None)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- YAML file (which may name `base: other.yaml`, relative to itself) <- key=value overrides.
-    log.out_dir not set by the file itself (a base's does not count) nor an override: runs/<the file's name>, so a
-    config never writes into another config's run folder."""
-    data = _load_yaml(path) if path else {}
-    data = _merge(data, parse_overrides(overrides or []))
-    if path and "out_dir" not in (_read_yaml(path).get("log") or {}) and \
-            "out_dir" not in (parse_overrides(overrides or []).get("log") or {}):
-        data.setdefault("log", {})["out_dir"] = os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
-    return _build(Config, data, "").validate()
-
-
-class Yaml12Loader(yaml.SafeLoader):
-    """YAML with YAML 1.2's booleans: only true / false. `no`, `yes`, `on`, `off` stay strings (mixed_precision: no)."""
-
-
-Yaml12Loader.yaml_implicit_resolvers = {
-    k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
-    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                   list("tTfF"))
-
-
-def _read_yaml(path: str) -> dict:
-    """One config file as a mapping (its `base:` not followed); clear errors for a missing, non-UTF-8 or
-    malformed file."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {path!r} does not exist (configs live in configs/, e.g. "
-                                f"configs/t2i/shapes_grpo.yaml)")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.load(f, Loader=Yaml12Loader) or {}
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
-        raise ValueError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a config file must be a mapping of sections, got {type(data).__name__}")
-    return data
-
-
-def _load_yaml(path: str) -> dict:
-    data = _read_yaml(path)
-    base = data.pop("base", None)
-    if base:
-        data = _merge(_load_yaml(os.path.join(os.path.dirname(path), base)), data)
-    return data
 
 
 def to_dict(cfg: Config) -> dict:

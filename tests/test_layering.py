@@ -12,8 +12,9 @@ PACKAGES = ("mmrl", "rewards", "tasks")
 # low -> high; a module may import modules of its own layer or below (and the whole graph is acyclic).
 # "x.*" is the package x and everything under it.
 LAYERS = [
-    # 0 leaves: import nothing from mmrl
-    ["mmrl", "mmrl.registry", "mmrl.config", "mmrl.cache", "mmrl.data", "mmrl.metrics", "mmrl.optim", "mmrl.testing",
+    # 0 leaves: import nothing from mmrl (config_files: only the config)
+    ["mmrl", "mmrl.registry", "mmrl.config", "mmrl.config_files", "mmrl.cache", "mmrl.data", "mmrl.metrics",
+     "mmrl.optim", "mmrl.testing",
      "mmrl.testing.fake_device", "mmrl.models", "mmrl.models.architectures", "mmrl.models.pixel_t2i",
      "mmrl.models.qwen_vl", "mmrl.models.tiny_pipelines", "mmrl.sampling.*", "mmrl.rollout", "mmrl.rollout.engine",
      "mmrl.context_parallel"],
