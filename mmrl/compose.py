@@ -86,10 +86,14 @@ def _check_objective(cfg: Config) -> None:
     if a.weighting != "none" or a.ratio != "none" or (a.kl_coef > 0 and a.kl == "flow_mean"):
         raise ValueError(f"{fix}; algo.weighting, algo.ratio and algo.kl=flow_mean act on SDE steps: set "
                          f"algo.weighting=none, algo.ratio=none, algo.kl=flow_velocity")
-    if a.policy_loss in ("dgpo", "dpo") and (cfg.model.reference == "none" or cfg.train.minibatches != 1
-                                            or cfg.train.micro_batch):
-        raise ValueError(f"algo.policy_loss={a.policy_loss} compares each sample's error with the reference's over "
-                         "whole groups in one pass: set model.reference=auto, train.minibatches=1, train.micro_batch=0")
+    loss = POLICY_LOSSES[a.policy_loss]  # what the loss declares it reads (mmrl/algorithms/losses.py)
+    if getattr(loss, "needs_reference", False) and (cfg.model.reference == "none" or (
+            a.kl_reference == "ema" and cfg.train.ema_decay == 0)):
+        raise ValueError(f"algo.policy_loss={a.policy_loss} compares each sample with a reference: set "
+                         f"model.reference=auto (the frozen base), or train.ema_decay > 0 with algo.kl_reference=ema")
+    if getattr(loss, "needs_whole_groups", False) and (cfg.train.minibatches != 1 or cfg.train.micro_batch):
+        raise ValueError(f"algo.policy_loss={a.policy_loss} sums over whole groups in one pass: set "
+                         f"train.minibatches=1, train.micro_batch=0")
     if s.kind == "ode" and s.shared_noise:
         raise ValueError("sampler.kind=ode with sampler.shared_noise: every sample of a group would be the same image "
                          "(zero advantages); set sampler.shared_noise=false")
@@ -120,34 +124,55 @@ def build_judge(name: str, kwargs: dict | None = None, where: str = "judge"):
     return _call(JUDGES, name, dict(kwargs or {}), where)
 
 
+def check_kwargs(registry: Registry, name: str, kwargs: dict, where: str, visit=None) -> None:
+    """Every kwarg of `registry[name]` is one its factory takes (a reward function's inputs excluded), and so are
+    those of the rewards / judges it wraps by name and of reward.name=multi's components; nothing is built.
+    visit(key path, value): called for each kwarg taken (mmrl validate checks the paths among them)."""
+    factory = registry[name]
+    params = dict(inspect.signature(factory).parameters)
+    for arg in plain_function_args(factory) if registry is REWARDS else ():  # def reward(outputs, examples, **kw)
+        params.pop(arg)
+    kwargs = dict(kwargs or {})
+    for key, sub in NESTED.items():  # a wrapped reward / judge named by a string, with its own kwargs
+        value = kwargs.get(key, params[key].default if key in params else None)
+        if key in params and isinstance(value, str):
+            check_kwargs(sub, value, kwargs.pop(f"{key}_kwargs", None) or {}, f"{where}.kwargs.{key}", visit)
+    if "components" in params and isinstance(kwargs.get("components"), dict):  # reward.name=multi
+        for label, spec in kwargs["components"].items():
+            spec = dict(spec or {})
+            if set(spec) - {"name", "weight", "kwargs"}:
+                raise ValueError(f"{where}.kwargs.components.{label}: unknown keys "
+                                 f"{sorted(set(spec) - {'name', 'weight', 'kwargs'})}; valid: name, weight, kwargs")
+            check_kwargs(REWARDS, spec.get("name", label), spec.get("kwargs"), f"{where}.kwargs.components.{label}",
+                          visit)
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise ValueError(f"{where}.kwargs {unknown} not understood by {registry.axis} {name!r}; valid: "
+                         f"{sorted(k for k in params if k not in ('self', 'cfg', 'args', 'kwargs'))}")
+    for key, value in kwargs.items() if visit else ():
+        visit(f"{where}.kwargs.{key}", value)
+
+
 def _call(registry: Registry, name: str, kwargs: dict, where: str, *args):
+    check_kwargs(registry, name, kwargs, where)  # every level, before anything is built
     factory = registry[name]
     if registry is REWARDS and plain_function_args(factory):  # def reward(outputs, examples, **kw): TRL's habit
         return FunctionReward(factory, **kwargs)
     params = inspect.signature(factory).parameters
-    open_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    valid = sorted(k for k in params if k not in ("self", "cfg", "args", "kwargs"))
     for key, sub in NESTED.items():  # a wrapped reward / judge named by a string: build it
         value = kwargs.get(key, params[key].default if key in params else None)
         if key in params and isinstance(value, str):
             kwargs[key] = _call(sub, value, dict(kwargs.pop(f"{key}_kwargs", None) or {}), f"{where}.{key}")
-        elif f"{key}_kwargs" in kwargs and key not in params:
-            valid.append(f"{key}_kwargs")
     if "components" in params and isinstance(kwargs.get("components"), dict):  # reward.name=multi
         kwargs["components"] = {label: _component(label, spec, where) for label, spec in kwargs["components"].items()}
-    unknown = sorted(set(kwargs) - set(params))
-    if unknown and not open_kwargs:
-        raise ValueError(f"{where}.kwargs {unknown} not understood by {registry.axis} {name!r}; valid: {valid}")
     try:
         return factory(*args, **kwargs)
     except TypeError as e:
+        valid = sorted(k for k in params if k not in ("self", "cfg", "args", "kwargs"))
         raise ValueError(f"{registry.axis} {name!r}: {e}; valid {where}.kwargs: {valid}") from e
 
 
 def _component(label: str, spec, where: str) -> dict:
     spec = dict(spec or {})
-    unknown = set(spec) - {"name", "weight", "kwargs"}
-    if unknown:
-        raise ValueError(f"{where}.kwargs.components.{label}: unknown keys {sorted(unknown)}; valid: name, weight, kwargs")
     reward = build_reward(spec.get("name", label), spec.get("kwargs"), f"{where}.kwargs.components.{label}")
     return {"reward": reward, "weight": float(spec.get("weight", 1.0))}

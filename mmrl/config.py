@@ -327,8 +327,7 @@ class Config:
         r = s.forward_t_range
         if len(r) != 2 or not 0 <= r[0] < r[1] <= 1:
             raise ValueError(f"sampler.forward_t_range must be [lo, hi] with 0 <= lo < hi <= 1, got {s.forward_t_range}")
-        if self.algo.kl_reference == "ema" and (self.algo.kl_coef > 0 or self.algo.policy_loss in ("dgpo", "dpo")) \
-                and t.ema_decay == 0:
+        if self.algo.kl_reference == "ema" and self.algo.kl_coef > 0 and t.ema_decay == 0:
             raise ValueError("algo.kl_reference=ema takes the EMA of the trained weights as the reference: set "
                              "train.ema_decay (e.g. 0.9), or algo.kl_reference=base")
         if self.algo.nft_beta <= 0:

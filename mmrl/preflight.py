@@ -15,7 +15,6 @@ file. A path that is missing there but exists next to the config file is reporte
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 
@@ -25,7 +24,6 @@ from mmrl.distributed import check_parallel_config
 from mmrl.metrics import check_report_to
 from mmrl.models.pipelines import missing_parts
 from mmrl.policy.base import resolve_model_path
-from mmrl.reward import plain_function_args
 
 PATH_SUFFIXES = ("_file", "_path", "_dir", "annotations", "durations")
 NOT_PATHS = ("root", "dataset")  # created by the task (grounding_world's root) or a datasets name
@@ -101,31 +99,15 @@ def _check_path(key: str, path: str, config_path: str | None, text: bool = False
 
 
 def _check_kwargs(registry, name: str, kwargs: dict, where: str, config_path: str | None) -> None:
-    """Every kwarg is a parameter of the factory (nested rewards / judges checked the same way); path-like
-    values exist."""
-    factory = registry[name]
-    params = dict(inspect.signature(factory).parameters)
-    for arg in plain_function_args(factory) if registry is compose.REWARDS else ():  # a reward function's inputs
-        params.pop(arg)
-    kwargs = dict(kwargs or {})
-    for key, sub in compose.NESTED.items():
-        if key in params and isinstance(kwargs.get(key), str):
-            _check_kwargs(sub, kwargs[key], kwargs.pop(f"{key}_kwargs", None) or {}, f"{where}.kwargs.{key}",
-                          config_path)
-        kwargs.pop(f"{key}_kwargs", None)
-    for label, spec in (kwargs.get("components") or {}).items() if "components" in params else ():
-        spec = spec or {}
-        _check_kwargs(compose.REWARDS, spec.get("name", label), spec.get("kwargs") or {},
-                      f"{where}.kwargs.components.{label}", config_path)
-    open_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    unknown = sorted(set(kwargs) - set(params))
-    if unknown and not open_kwargs:
-        valid = sorted(k for k in params if k not in ("self", "cfg", "args", "kwargs"))
-        raise ValueError(f"{where}.kwargs {unknown} not understood by {registry.axis} {name!r}; valid: {valid}")
-    for key, value in kwargs.items():
-        if isinstance(value, str) and value and key.endswith(PATH_SUFFIXES) and key not in NOT_PATHS \
+    """compose.check_kwargs (every kwarg taken, nested ones too), and the path-like values exist."""
+
+    def path(key: str, value) -> None:
+        leaf = key.rsplit(".", 1)[-1]
+        if isinstance(value, str) and value and leaf.endswith(PATH_SUFFIXES) and leaf not in NOT_PATHS \
                 and not _cached_hub_id(value):
-            _check_path(f"{where}.kwargs.{key}", value, config_path, text=key.endswith(("_file", "annotations")))
+            _check_path(key, value, config_path, text=leaf.endswith(("_file", "annotations")))
+
+    compose.check_kwargs(registry, name, kwargs, where, path)
 
 
 def _cached_hub_id(value: str) -> bool:

@@ -47,4 +47,5 @@ def dgpo(log_prob, old_log_prob, advantages, cfg, ctx):
 dgpo.objective = "forward"
 dgpo.needs_output = True
 dgpo.needs_reference = True
+dgpo.needs_whole_groups = True
 POLICY_LOSSES.register("dgpo")(dgpo)

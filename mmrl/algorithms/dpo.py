@@ -44,4 +44,5 @@ def dpo(log_prob, old_log_prob, advantages, cfg, ctx):
 dpo.objective = "forward"
 dpo.needs_output = True
 dpo.needs_reference = True
+dpo.needs_whole_groups = True
 POLICY_LOSSES.register("dpo")(dpo)

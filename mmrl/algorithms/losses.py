@@ -72,7 +72,8 @@ def seq_sum_norm(loss, mask, num_samples, num_actions):
 # These train on the forward (noising) process of a rollout's final samples instead of its sampling steps; the
 # flow policy then scores "actions" that are noise levels t of a final sample x0 (docs/algorithms.md §10). Their
 # `objective` attribute tells the flow policy which rollout to record; `needs_output` that the loss reads a
-# LossContext (the policy's velocities in PolicyOutput.stats, the reference's outputs, group ids) besides the log-probs.
+# LossContext (the policy's velocities in PolicyOutput.stats, the reference's outputs, group ids) besides the log-probs;
+# `needs_reference` that the run keeps a reference; `needs_whole_groups` that a pass must hold whole groups.
 
 
 def objective(policy_loss: str) -> str:
