@@ -23,7 +23,7 @@ from mmrl.config import Config, policy_kind
 from mmrl.distributed import check_parallel_config
 from mmrl.metrics import check_report_to
 from mmrl.models.pipelines import missing_parts
-from mmrl.policy.base import resolve_model_path
+from mmrl.policy.base import is_hub_id, resolve_model_path
 
 PATH_SUFFIXES = ("_file", "_path", "_dir", "annotations", "durations")
 NOT_PATHS = ("root", "dataset")  # created by the task (grounding_world's root) or a datasets name
@@ -57,7 +57,7 @@ def check(cfg: Config, nproc: int = 1, config_path: str | None = None) -> list[s
 def _check_model(cfg: Config, config_path: str | None) -> None:
     path = cfg.model.path
     if not os.path.exists(path):
-        if path.count("/") != 1 or path.startswith((".", "/")):  # not a hub id: a missing folder
+        if not is_hub_id(path):  # a missing folder
             _check_path("model.path", path, config_path)
         path = resolve_model_path(path)
     for name in ("model_index.json", "config.json"):
@@ -111,7 +111,7 @@ def _check_kwargs(registry, name: str, kwargs: dict, where: str, config_path: st
 
 
 def _cached_hub_id(value: str) -> bool:
-    if value.count("/") != 1 or value.startswith((".", "/")) or os.path.exists(value):
+    if not is_hub_id(value) or os.path.exists(value):
         return False
     try:
         resolve_model_path(value)

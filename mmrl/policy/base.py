@@ -162,12 +162,17 @@ def load_lora_adapter(module: torch.nn.Module, path: str) -> None:
                          f"trained on another base model or with other model.lora.target_modules?")
 
 
+def is_hub_id(path: str) -> bool:
+    """Whether `path` reads as a Hugging Face id (org/name) rather than a local path."""
+    return path.count("/") == 1 and not path.startswith((".", "/", "~"))
+
+
 def resolve_model_path(path: str) -> str:
     """A model folder for model.path: the folder itself, or for a Hugging Face id (org/name) its snapshot in the
     local cache (HF_HOME); FileNotFoundError naming both ways to provide it otherwise."""
     if os.path.isdir(path):
         return path
-    if path.count("/") == 1 and not path.startswith((".", "/")):
+    if is_hub_id(path):
         try:
             from huggingface_hub import snapshot_download
 
