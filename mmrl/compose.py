@@ -44,6 +44,10 @@ def credit_name(cfg: Config) -> str:
 def check_choices(cfg: Config) -> Config:
     """Every registry name and enumerated choice of `cfg`, resolved once; ValueError naming the key and the fix."""
     POLICIES.check(cfg.model.policy, "model.policy")
+    if cfg.model.family:
+        from mmrl.models.families import FAMILIES
+
+        FAMILIES.check(cfg.model.family, "model.family")
     TASKS.check(cfg.task.name, "task.name")
     for key in ("name", "eval_name"):
         if getattr(cfg.reward, key):

@@ -24,6 +24,8 @@ class LoraConfig:
 class ModelConfig:
     policy: str = "flow"          # policy registry key (mmrl.policy.POLICIES): flow | token (alias vlm) | pkg.mod:build
     path: str = "tasks/assets/shapes-base"  # diffusers SD3 / FLUX / Wan pipeline folder or mmrl pixel-model folder
+    family: str | None = None     # flow model family (mmrl/models/families): None = the one model_index.json's
+                                  # class picks | a registered name | package.module:FAMILY (a user's own)
     dtype: str = "float32"        # float32 | bfloat16 (transformer weights; the SDE math is always fp32)
     device: str = "auto"          # auto = cuda if available else cpu
     sample_size: int | None = None  # latent size (H = W) override for diffusers pipelines (e.g. SD3 64 = 512 px)

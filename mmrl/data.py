@@ -124,3 +124,33 @@ def micro_batches(action_mask: torch.Tensor, idx: torch.Tensor, size: int, per_a
         actions = torch.zeros(len(rows), mask.shape[1], dtype=torch.bool)
         actions[inv, chunk[:, 1]] = True
         yield idx[rows], actions
+
+
+def condition_images(example: dict, count: int) -> list:
+    """The conditioning images of an example (image edits, image-to-video) as RGB PIL images: its `image` (one path
+    or image) or `images` (a list) field. count: how many the model takes (-1: one or more)."""
+    from PIL import Image
+
+    items = example.get("images", example.get("image"))
+    if items is None:
+        raise ValueError(f"the model conditions on {'one or more images' if count < 0 else f'{count} image(s)'}, but "
+                         f"example {example.get('prompt', '')[:60]!r} has no `image` or `images` field; give each "
+                         f"prompt its image, e.g. a JSONL row {{\"prompt\": ..., \"image\": \"path.png\"}}")
+    items = [items] if isinstance(items, (str, Image.Image)) else list(items)
+    if count > 0 and len(items) != count:
+        raise ValueError(f"the model takes {count} conditioning image(s); example {example.get('prompt', '')[:60]!r} "
+                         f"has {len(items)}")
+    out = []
+    for item in items:
+        if isinstance(item, Image.Image):
+            out.append(item.convert("RGB"))
+            continue
+        try:
+            with Image.open(item) as im:
+                image = im.convert("RGB")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"conditioning image {item!r} of {example.get('prompt', '')[:60]!r} does not read as an "
+                             f"image ({e})") from None
+        image.filename = str(item)  # the encoders' cache key
+        out.append(image)
+    return out

@@ -35,13 +35,14 @@ def export(checkpoint: str, out: str) -> str:
 def _export_flow(checkpoint: str, meta: dict, out: str) -> None:
     import diffusers
 
-    from mmrl.models.pixel_t2i import PIPELINE_CLASS
+    from mmrl.models.families import family_for
     from mmrl.policy.base import base_model_path
     from mmrl.policy.flow import _link_base_parts, load_policy_checkpoint
 
     base = base_model_path(meta, checkpoint)
     cls = json.load(open(os.path.join(base, "model_index.json")))["_class_name"]
-    if cls == PIPELINE_CLASS:  # mmrl's pixel model: merged transformer + the base's text encoder and tokenizer
+    if not family_for(cls, meta.get("model_options", {}).get("family")).diffusers:
+        # mmrl's pixel model: merged transformer + the base's text encoder and tokenizer
         model = load_policy_checkpoint(checkpoint)
         if meta["lora"]:
             model.transformer.fuse_lora()

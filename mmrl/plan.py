@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmrl.config import policy_kind, sample_chunk
 from mmrl.distributed import check_parallel_config, transformer_blocks
-from mmrl.models.architectures import ARCHITECTURES, FROZEN_PARTS
+from mmrl.models.families import all_architectures
 from mmrl.policy.base import reference_kind
 
 GiB = 2**30
@@ -136,52 +136,27 @@ def measure_forward(model: torch.nn.Module, run) -> dict:
 
 # ------------------------------------------------------------------------------------------------ builders
 def _flow_model(cfg, arch: dict | None):
-    """(transformer on meta, call(x, sigma, enc, pooled), latent shape, text tokens, enc dim, pooled dim)."""
+    """(transformer on meta, its family's PlanInputs) from model.path's configs or a published architecture."""
     import diffusers
 
-    from mmrl.models import pipelines as P
+    from mmrl.models.families import LoadOptions, family_for
 
+    m = cfg.model
+    options = LoadOptions(sample_size=m.sample_size, num_frames=m.num_frames, guidance=m.guidance,
+                          text_max_length=m.text_max_length)
     if arch is None:
-        tcfg = json.load(open(os.path.join(cfg.model.path, "transformer", "config.json")))
-        cls, pipe = tcfg["_class_name"], json.load(open(os.path.join(cfg.model.path, "model_index.json")))
-        config = {k: v for k, v in tcfg.items() if not k.startswith("_")}
-        text_tokens = _text_tokens(cfg.model.path, pipe["_class_name"])
-        coords, pixel_frames, pixel_size = pipe.get("coordinates", False), pipe.get("frames", 0), pipe.get("sample_size")
+        tcfg = json.load(open(os.path.join(m.path, "transformer", "config.json")))
+        pipe = json.load(open(os.path.join(m.path, "model_index.json")))
+        family = family_for(pipe["_class_name"], m.family)
+        cls, config, folder = tcfg["_class_name"], {k: v for k, v in tcfg.items() if not k.startswith("_")}, m.path
         experts = 2 if (pipe.get("transformer_2") or [None])[0] and pipe.get("boundary_ratio") else 1
     else:
-        cls, config, text_tokens, coords, pixel_frames = arch["class"], arch["config"], arch["text_tokens"], False, 0
+        family, cls, config, folder = arch["family"], arch["family"].transformer, arch["config"], None
         experts = arch.get("experts", 1)
     with torch.device("meta"):
         tr = getattr(diffusers, cls).from_config(config)
     tr.experts = experts  # Wan2.2 A14B: two transformers of this architecture, one runs per forward
-    c = tr.config
-    if cls == "FluxTransformer2DModel":
-        size = cfg.model.sample_size or 128
-        return tr, P.flux_call(cfg.model.guidance), (c.in_channels // 4, size, size), text_tokens, \
-            c.joint_attention_dim, c.pooled_projection_dim
-    if cls == "QwenImageTransformer2DModel":  # the text mask rides in the pooled slot: [m, text_tokens]
-        size = cfg.model.sample_size or 128
-        return tr, P.qwen_image_call, (c.out_channels, size, size), text_tokens, c.joint_attention_dim, text_tokens
-    if cls == "WanTransformer3DModel":
-        if pixel_frames:  # mmrl's pixel video model: its clip size, no VAE compression
-            return tr, P.wan_coord_call if coords else P.wan_call, \
-                (c.in_channels - (3 if coords else 0), pixel_frames, pixel_size, pixel_size), text_tokens, c.text_dim, 0
-        size, frames = cfg.model.sample_size or 60, cfg.model.num_frames or 81
-        return tr, P.wan_call, (c.in_channels, (frames - 1) // 4 + 1, size, size), text_tokens, c.text_dim, 0
-    size = cfg.model.sample_size or c.sample_size
-    return tr, P.sd3_call, (c.in_channels, size, size), text_tokens, c.joint_attention_dim, c.pooled_projection_dim
-
-
-def _text_tokens(path: str, pipeline: str) -> int:
-    """Prompt tokens the pipeline feeds the transformer: its defaults (SD3 77 CLIP + 256 T5, FLUX and Wan 512),
-    the tokenizer's length for mmrl's pixel model."""
-    from mmrl.models.pipelines import QWEN_IMAGE_TEXT_LEN
-
-    defaults = {"StableDiffusion3Pipeline": 77 + 256, "FluxPipeline": 512, "WanPipeline": 512,
-                "QwenImagePipeline": QWEN_IMAGE_TEXT_LEN}
-    if pipeline in defaults:
-        return defaults[pipeline]
-    return json.load(open(os.path.join(path, "tokenizer", "tokenizer_config.json"))).get("model_max_length", 77)
+    return tr, family, family.plan_inputs(dict(tr.config), folder, options)
 
 
 def _token_model(cfg, arch: dict | None):
@@ -223,7 +198,7 @@ def _frozen_parts(cfg, arch: dict | None) -> tuple[list[torch.nn.Module], torch.
     dtype = _DTYPES[cfg.model.dtype]
     with torch.device("meta"):
         if arch is not None:
-            encoders, (vae_cls, vae_cfg) = FROZEN_PARTS[arch["pipeline"]]
+            encoders, (vae_cls, vae_cfg) = arch["family"].frozen_parts
             text = [getattr(transformers, c)(getattr(transformers, k)(**conf)) for c, k, conf in encoders]
             vae = getattr(diffusers, vae_cls).from_config(vae_cfg)
         else:
@@ -312,7 +287,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
     """The per-GPU cost of one iteration of config `cfg` (see the module docstring).
 
     Args:
-        arch_name: a ARCHITECTURES key instead of model.path's config files.
+        arch_name: an all_architectures() key instead of model.path's config files.
         prompt_tokens: a token policy's prompt length (with its video or image tokens).
         world: data-parallel processes (each samples ceil(B / world) whole groups).
         cp: context-parallel ranks per process (one forward's video tokens split cp ways); world x cp GPUs.
@@ -322,15 +297,15 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
     _check_layout(cfg, world, cp, folder=arch_name is None)
     arch = None
     if arch_name:
-        if arch_name not in ARCHITECTURES:
-            raise ValueError(f"unknown architecture {arch_name!r}; known: {sorted(ARCHITECTURES)}")
-        arch = ARCHITECTURES[arch_name]
+        if arch_name not in all_architectures():
+            raise ValueError(f"unknown architecture {arch_name!r}; known: {sorted(all_architectures())}")
+        arch = all_architectures()[arch_name]
         if arch["policy"] != policy_kind(cfg.model.policy):
             raise ValueError(f"--arch {arch_name} is a {arch['policy']} model but the config has "
                              f"model.policy={cfg.model.policy}")
     elif not os.path.isdir(cfg.model.path):
         raise FileNotFoundError(f"model.path={cfg.model.path!r} does not exist: point it at a model folder, or plan "
-                                f"a published architecture with --arch ({', '.join(sorted(ARCHITECTURES))})")
+                                f"a published architecture with --arch ({', '.join(sorted(all_architectures()))})")
     t, s = cfg.train, cfg.sampler
     n_rows = t.prompts_per_iter * t.group_size
     rank_rows = -(-t.prompts_per_iter // world) * t.group_size   # the most rows one rank samples
@@ -342,15 +317,14 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
         raise ValueError(f"mmrl plan knows the built-in policies (flow, token), not model.policy={cfg.model.policy}")
     if policy_kind(cfg.model.policy) == "flow":
         from mmrl.algorithms.losses import objective
-        from mmrl.models.pipelines import QWEN_IMAGE_LORA_TARGETS, SD3_LORA_TARGETS, WAN_LORA_TARGETS
         from mmrl.sampling.flow_sde import strided_schedule
 
-        model, call, latent, text_tokens, enc_dim, pooled_dim = _flow_model(cfg, arch)
+        model, family, inputs = _flow_model(cfg, arch)
+        call, latent, text_tokens, enc_dim, pooled_dim = inputs[:5]
         name = type(model).__name__
         if cp > 1 and not getattr(type(model), "_cp_plan", None):
             raise ValueError(f"--cp {cp}: diffusers has no context-parallel plan for {name}; use --cp 1")
-        targets = list(WAN_LORA_TARGETS if "Wan" in name else QWEN_IMAGE_LORA_TARGETS if "QwenImage" in name
-                       else SD3_LORA_TARGETS)
+        targets = list(inputs.lora_targets or family.lora_targets)
         _prepare(model, cfg, targets)
         cfg_rows = 2 if s.cfg_scale != 1.0 else 1
         # trained actions per row: SDE steps, or noise levels of the final sample (forward-process losses, which

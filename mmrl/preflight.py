@@ -22,6 +22,7 @@ from mmrl import compose
 from mmrl.config import Config, policy_kind
 from mmrl.distributed import check_parallel_config
 from mmrl.metrics import check_report_to
+from mmrl.models.families import family_for
 from mmrl.models.pipelines import missing_parts
 from mmrl.policy.base import is_hub_id, resolve_model_path
 
@@ -68,6 +69,7 @@ def _check_model(cfg: Config, config_path: str | None) -> None:
             except (ValueError, UnicodeDecodeError) as e:
                 raise ValueError(f"{f} does not read as JSON ({e}): the model folder is damaged") from None
             if name == "model_index.json":  # a diffusers pipeline: each component's folder
+                family_for(index.get("_class_name"), cfg.model.family, where=f)  # a family loads it
                 missing = missing_parts(path, index)
                 if missing:
                     raise FileNotFoundError(f"model.path={path!r}: model_index.json names {missing}, but the folder "

@@ -110,7 +110,20 @@ def read_prompts(path: str | None, prompt_column: str = "prompt", where: str = "
         examples = [{"prompt": s} for s in (ln.strip() for ln in text.splitlines()) if s and not s.startswith("#")]
     if not examples:
         raise ValueError(f"{where}={path!r} has no prompts; expected {FORMATS.get(ext, FORMATS['.txt'])}")
-    return examples
+    return [_with_image_paths(ex, os.path.dirname(os.path.abspath(path))) for ex in examples]
+
+
+def _with_image_paths(example: dict, folder: str) -> dict:
+    """Relative `image` / `images` paths (an edit's or an image-to-video's conditioning) resolved against the
+    prompt file's folder."""
+    def resolve(p):
+        return os.path.join(folder, p) if isinstance(p, str) and not os.path.isabs(p) else p
+
+    for key in ("image", "images"):
+        if key in example:
+            v = example[key]
+            example[key] = [resolve(p) for p in v] if isinstance(v, list) else resolve(v)
+    return example
 
 
 def _decode(path: str) -> str:

@@ -22,7 +22,7 @@ def main():
     import torch
 
     from mmrl.compose import load_config
-    from mmrl.models.tiny_pipelines import build_tiny_sd3_pipeline
+    from mmrl.models.tiny_pipelines import build_tiny
     from mmrl.reward import REWARDS
     from mmrl.trainer import Trainer
 
@@ -32,7 +32,7 @@ def main():
     repeats, batch = (1, ["train.prompts_per_iter=2", "train.group_size=2"]) if args.quick else \
         (args.repeats, ["train.prompts_per_iter=4", "train.group_size=4"])
     with tempfile.TemporaryDirectory() as tmp:
-        build_tiny_sd3_pipeline().save_pretrained(os.path.join(tmp, "sd3"))
+        build_tiny("sd3").save_pretrained(os.path.join(tmp, "sd3"))
         prompts = os.path.join(tmp, "prompts.txt")
         open(prompts, "w").write("a red circle\ntwo blue squares\na green triangle above a cat\n")
         seconds = {}

@@ -41,18 +41,16 @@ def build_models(tmp: str) -> dict[str, list[str]]:
     import torch
 
     from mmrl.models.qwen_vl import build_causal_lm, build_model, build_processor, build_tokenizer
-    from mmrl.models.tiny_pipelines import (build_tiny_flux_pipeline, build_tiny_qwen_image_pipeline,
-                                            build_tiny_sd3_pipeline, build_tiny_wan_pipeline,
-                                            build_tiny_z_image_pipeline)
+    from mmrl.models.tiny_pipelines import build_tiny
     from tasks.grounding_world import ANSWER, PROMPT, build_world
 
     paths = {k: os.path.join(tmp, k) for k in ("sd3", "flux", "wan", "qwen_image", "z_image", "qwen_vl", "causal_lm",
                                                "world")}
-    build_tiny_sd3_pipeline().save_pretrained(paths["sd3"])
-    build_tiny_flux_pipeline().save_pretrained(paths["flux"])
-    build_tiny_wan_pipeline().save_pretrained(paths["wan"])
-    build_tiny_qwen_image_pipeline().save_pretrained(paths["qwen_image"])
-    build_tiny_z_image_pipeline().save_pretrained(paths["z_image"])
+    build_tiny("sd3").save_pretrained(paths["sd3"])
+    build_tiny("flux").save_pretrained(paths["flux"])
+    build_tiny("wan").save_pretrained(paths["wan"])
+    build_tiny("qwen_image").save_pretrained(paths["qwen_image"])
+    build_tiny("z_image").save_pretrained(paths["z_image"])
     torch.manual_seed(0)
     tok = build_tokenizer([PROMPT, ANSWER, "red green blue yellow circle square triangle appears shown visible"])
     build_model("qwen2_5_vl", tok, "tiny").save_pretrained(paths["qwen_vl"])

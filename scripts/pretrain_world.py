@@ -32,10 +32,11 @@ import torch
 
 
 from mmrl.checkpoint import atomic_dir
-from mmrl.models.pipelines import sd3_call, wan_call, wan_coord_call
+from mmrl.models.families.pixel import wan_call, wan_coord_call
+from mmrl.models.flow_model import sd3_call
 from mmrl.models.pixel_t2i import build_pipeline_parts, save_pipeline_parts
 from mmrl.models.flow_model import FlowModel, velocity_from_prediction
-from mmrl.models.pipelines import make_clip_encoder
+from mmrl.models.families.pixel import make_clip_encoder
 
 
 class World:

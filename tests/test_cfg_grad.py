@@ -45,10 +45,10 @@ def test_text_max_length_sets_the_t5_prompt_length(tmp_path):
     """model.text_max_length: SD3's T5 tokens 256 by default (77 CLIP + 256), 128 as Flow-GRPO's recipes; a
     checkpoint keeps the setting (its model options)."""
     from mmrl.compose import build_policy, load_config
-    from mmrl.models.tiny_pipelines import build_tiny_sd3_pipeline
+    from mmrl.models.tiny_pipelines import build_tiny
     from mmrl.policy.flow import load_policy_checkpoint
 
-    build_tiny_sd3_pipeline().save_pretrained(str(tmp_path / "sd3"))
+    build_tiny("sd3").save_pretrained(str(tmp_path / "sd3"))
     lengths = {}
     for n in (None, 128):
         pol = build_policy(load_config(None, [f"model.path={tmp_path / 'sd3'}", f"model.text_max_length={n or 'null'}",

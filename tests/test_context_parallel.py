@@ -95,11 +95,11 @@ WAN_TASK = ["task.name=motion", "reward.name=temporal_consistency", "model.sampl
 
 @pytest.fixture(scope="module")
 def wan_folders(tmp_path_factory):
-    from mmrl.models.tiny_pipelines import build_tiny_wan_pipeline
+    from mmrl.models.tiny_pipelines import build_tiny
 
     root = tmp_path_factory.mktemp("cp_wan")
-    build_tiny_wan_pipeline().save_pretrained(str(root / "wan21"))
-    build_tiny_wan_pipeline(two_experts=True).save_pretrained(str(root / "wan22"))
+    build_tiny("wan").save_pretrained(str(root / "wan21"))
+    build_tiny("wan", two_experts=True).save_pretrained(str(root / "wan22"))
     return root
 
 

@@ -7,8 +7,8 @@ import torch
 
 from mmrl.compose import load_config
 from mmrl.metrics import video_strips
-from mmrl.models.pipelines import flux_call
-from mmrl.models.tiny_pipelines import build_tiny_flux_pipeline, build_tiny_wan_pipeline
+from mmrl.models.families.flux import flux_call
+from mmrl.models.tiny_pipelines import build_tiny
 from mmrl.policy import POLICIES
 from mmrl.policy.flow import load_policy_checkpoint
 from mmrl.testing.contract import check_policy
@@ -19,8 +19,8 @@ PROMPTS = [{"prompt": "a red circle moving left"}, {"prompt": "a cat"}]
 @pytest.fixture(scope="module")
 def pipelines(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipelines")
-    build_tiny_flux_pipeline().save_pretrained(str(root / "flux"))
-    build_tiny_wan_pipeline().save_pretrained(str(root / "wan"))
+    build_tiny("flux").save_pretrained(str(root / "flux"))
+    build_tiny("wan").save_pretrained(str(root / "wan"))
     return {"flux": str(root / "flux"), "wan": str(root / "wan")}
 
 
@@ -110,12 +110,12 @@ def test_flux_dynamic_shift_by_hand(pipelines):
 
     pol = policy(pipelines["flux"], "model.sample_size=8")
     mu = 0.5 + (16 - 256) * (1.15 - 0.5) / (4096 - 256)
-    assert pol.model.schedule_mu == pytest.approx(mu)
+    assert pol.model.schedule.mu == pytest.approx(mu)
     want = [math.exp(mu) / (math.exp(mu) + 1 / s - 1) for s in (1.0, 0.75, 0.5, 0.25)] + [0.0]
     # e^mu = 1.5830: 0.75 -> 1.5830 / (1.5830 + 1/3) = 0.8261, 0.5 -> 0.6129, 0.25 -> 0.3454
     assert [round(w, 4) for w in want] == [1.0, 0.8261, 0.6129, 0.3454, 0.0]
     torch.testing.assert_close(pol.sigmas, torch.tensor(want), atol=1e-6, rtol=0)
-    assert policy(pipelines["wan"]).model.schedule_mu is None  # static shift elsewhere
+    assert not hasattr(policy(pipelines["wan"]).model.schedule, "mu")  # static shift elsewhere
 
 
 def test_wan22_two_experts_switch_at_the_boundary_and_both_train(tmp_path):
@@ -125,7 +125,7 @@ def test_wan22_two_experts_switch_at_the_boundary_and_both_train(tmp_path):
     from diffusers import WanPipeline
 
     path = str(tmp_path / "wan22")
-    build_tiny_wan_pipeline(two_experts=True).save_pretrained(path)
+    build_tiny("wan", two_experts=True).save_pretrained(path)
     pol = policy(path, "model.sample_size=4", "model.num_frames=5", "model.lora.enabled=true", "model.lora.rank=4")
     assert [n for n, _ in pol.experts()] == ["transformer", "transformer_2"] and pol.model.boundary == 0.875
     assert pol.sigmas[0] >= 0.875 > pol.sigmas[1]  # shift 3, 4 steps: step 0 is high-noise, steps 1-2 low-noise
@@ -165,7 +165,7 @@ def test_wan22_experts_in_lockstep_run_both_on_every_call(tmp_path):
     experts run on every call (in one order), an expert without rows on one row that enters the result times 0:
     the velocity is unchanged, and the idle expert's parameters get zero (not missing) gradients."""
     path = str(tmp_path / "wan22")
-    build_tiny_wan_pipeline(two_experts=True).save_pretrained(path)
+    build_tiny("wan", two_experts=True).save_pretrained(path)
     pol = policy(path, "model.sample_size=4", "model.num_frames=5", "model.lora.enabled=true", "model.lora.rank=4")
     calls = []
     for name, tr in pol.experts():

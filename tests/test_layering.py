@@ -16,10 +16,11 @@ LAYERS = [
     ["mmrl", "mmrl.registry", "mmrl.config", "mmrl.config_files", "mmrl.cache", "mmrl.data", "mmrl.metrics",
      "mmrl.optim", "mmrl.testing",
      "mmrl.testing.fake_device", "mmrl.models", "mmrl.models.architectures", "mmrl.models.pixel_t2i",
-     "mmrl.models.qwen_vl", "mmrl.models.tiny_pipelines", "mmrl.sampling.*", "mmrl.rollout", "mmrl.rollout.engine",
+     "mmrl.models.qwen_vl", "mmrl.sampling.*", "mmrl.rollout", "mmrl.rollout.engine",
      "mmrl.context_parallel"],
     # 1 building blocks: algorithms, models, samplers, rollout engines
-    ["mmrl.video", "mmrl.algorithms.*", "mmrl.models.flow_model", "mmrl.models.pipelines", "mmrl.rollout.vllm_engine",
+    ["mmrl.video", "mmrl.algorithms.*", "mmrl.models.flow_model", "mmrl.models.pipelines", "mmrl.models.families.*",
+     "mmrl.models.tiny_pipelines", "mmrl.rollout.vllm_engine",
      "mmrl.rollout.contrast",
      "mmrl.rollout.tree"],
     # 2 the interfaces and their registries

@@ -110,7 +110,7 @@ def test_coordinate_channels(tmp_path):
     and loads with that call; without the key (older bases) the plain call is used, which a 6-channel model refuses."""
     import json
 
-    from mmrl.models.pipelines import coordinates, wan_call, wan_coord_call
+    from mmrl.models.families.pixel import coordinates, wan_call, wan_coord_call
     from mmrl.models.pixel_t2i import build_pipeline_parts, save_pipeline_parts
     from mmrl.models.pipelines import load_flow_model
 

@@ -4,12 +4,15 @@ ZImageTransformer2DModel, the FLUX VAE) saved with save_pretrained and loaded by
 each pipeline's own images; the policy passes the contract with LoRA on the architecture's targets (both objectives);
 the adapter mmrl saves loads with the pipeline's load_lora_weights."""
 
+from functools import partial
+
 import pytest
 import torch
 
 from mmrl.compose import load_config
-from mmrl.models.pipelines import QWEN_IMAGE_TEXT_LEN, load_flow_model
-from mmrl.models.tiny_pipelines import build_tiny_qwen_image_pipeline, build_tiny_z_image_pipeline
+from mmrl.models.families.common import TEXT_LEN as QWEN_IMAGE_TEXT_LEN
+from mmrl.models.pipelines import load_flow_model
+from mmrl.models.tiny_pipelines import build_tiny
 from mmrl.policy import POLICIES
 from mmrl.testing.contract import check_policy
 
@@ -17,8 +20,8 @@ PROMPTS = [{"prompt": "a red circle"}, {"prompt": "two green triangles left of a
 
 
 # name -> (builder, pipeline class, sampler.shift, image side for the pipeline call, pipeline kwargs)
-PIPES = {"qwen_image": (build_tiny_qwen_image_pipeline, "QwenImagePipeline", 1.0, 64, {"true_cfg_scale": 1.0}),
-         "z_image": (build_tiny_z_image_pipeline, "ZImagePipeline", 3.0, 16, {"guidance_scale": 0.0})}
+PIPES = {"qwen_image": (partial(build_tiny, "qwen_image"), "QwenImagePipeline", 1.0, 64, {"true_cfg_scale": 1.0}),
+         "z_image": (partial(build_tiny, "z_image"), "ZImagePipeline", 3.0, 16, {"guidance_scale": 0.0})}
 
 
 @pytest.fixture(scope="module", params=list(PIPES))
@@ -87,3 +90,23 @@ def test_lora_loads_in_diffusers(pipe_dir, tmp_path):
         got = base.velocity(x, sigma, enc, mask)
     assert (want - untrained).abs().max() > 1e-3  # the adapter matters
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_qwen_image_true_cfg_reproduces_the_pipeline(tmp_path):
+    """Qwen-Image guides with its pipeline's "true CFG" (the guided velocity rescaled, per packed token, to the
+    conditional one's norm): at CFG 4 with the empty negative prompt, FlowModel.generate gives the pipeline's image;
+    plain CFG (v_u + w (v_c - v_u)) does not."""
+    from diffusers import QwenImagePipeline
+
+    path = str(tmp_path / "qwen_image")
+    build_tiny("qwen_image").save_pretrained(path)
+    model = load_flow_model(path, sample_size=8)
+    ours = (model.generate(["a red circle"], [0], 4, 4.0, 1.0) + 1) / 2
+    theirs = QwenImagePipeline.from_pretrained(path)("a red circle", negative_prompt="", true_cfg_scale=4.0, height=64,
+                                                     width=64, num_inference_steps=4, output_type="pt",
+                                                     generator=torch.Generator().manual_seed(0),
+                                                     max_sequence_length=QWEN_IMAGE_TEXT_LEN).images
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    model.guide = None  # plain CFG
+    plain = (model.generate(["a red circle"], [0], 4, 4.0, 1.0) + 1) / 2
+    assert (plain - theirs).abs().max() > 10 * (ours - theirs).abs().max()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mmrl.compose import load_config
-from mmrl.models.tiny_pipelines import build_tiny_sd3_pipeline
+from mmrl.models.tiny_pipelines import build_tiny
 from mmrl.policy import POLICIES
 from mmrl.policy.flow import load_policy_checkpoint
 from mmrl.testing.contract import check_policy
@@ -14,7 +14,7 @@ from mmrl.testing.contract import check_policy
 @pytest.fixture(scope="module")
 def sd3_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("sd3") / "tiny-sd3")
-    build_tiny_sd3_pipeline().save_pretrained(path)
+    build_tiny("sd3").save_pretrained(path)
     return path
 
 

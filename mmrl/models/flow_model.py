@@ -10,25 +10,24 @@
 clean image, as JiT argues for pixel-space transformers with large patches); `velocity` always returns v, so
 samplers and policies never see the difference (`velocity_from_prediction`).
 
-`mmrl.models.pipelines.load_flow_model(path)` builds one from a diffusers pipeline folder (SD3 / SD3.5, FLUX.1,
-Wan2.x; latent space through the pipeline's VAE and text encoders) or mmrl's pixel-space folder
-(`mmrl/models/pixel_t2i.py`).
+`mmrl.models.pipelines.load_flow_model(path)` builds one through the folder's model family
+(mmrl/models/families/: SD3 / SD3.5, FLUX.1, Wan2.x, Qwen-Image, Z-Image, mmrl's pixel worlds).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from mmrl.models.pixel_t2i import PIPELINE_CLASS
+from mmrl.models.families.common import static_schedule
 
 
 # LoRA targets of SD3-family transformers (peft matches module-name suffixes): the joint attention projections
 SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
-EncodeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
+EncodeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (texts[, images]) -> (enc [B, L, D], pooled [B, P])
 
 
 def sd3_call(transformer, x, sigma, enc, pooled):
@@ -40,21 +39,23 @@ def sd3_call(transformer, x, sigma, enc, pooled):
 @dataclass
 class FlowModel:
     transformer: torch.nn.Module
-    encode_prompts: EncodeFn                     # texts -> (enc [B, L, D], pooled [B, P])
+    encode_prompts: EncodeFn                     # texts -> (enc [B, L, D], pooled [B, P]); image-conditioned
+                                                 # families: (texts, images per row) -> the same, the images'
+                                                 # latents carried in pooled for the family's call
     decode: Callable[[torch.Tensor], torch.Tensor]
     latent_shape: tuple[int, ...]                # (C, H, W) or (C, F, H, W) of what the transformer denoises
     text_modules: tuple[torch.nn.Module, ...] = ()  # text encoders (frozen during RL)
-    pipeline_class: str = PIPELINE_CLASS
+    family: Any = None                           # the Family it was loaded by (mmrl/models/families)
     prediction: str = "velocity"                 # what the transformer outputs: "velocity" | "sample"
     call: Callable = sd3_call                    # (transformer, x, sigma, enc, pooled) -> output like x
     lora_targets: tuple[str, ...] = SD3_LORA_TARGETS
-    schedule_mu: float | None = None             # FLUX dynamic shift (replaces sampler.shift); None = static shift
-    shift_terminal: float | None = None          # Qwen-Image: the dynamic schedule stretched to end at this sigma
-    linspace_sigmas: bool = False                # Z-Image: a static shift of linspace(1, 1/S, S), as its pipeline
+    schedule: Callable[[int, float], torch.Tensor] = static_schedule  # (steps, sampler.shift) -> sigmas [S + 1]
     transformer_2: torch.nn.Module | None = None  # Wan2.2 A14B: the low-noise expert, used below `boundary`
     boundary: float | None = None                # sigma at which transformer_2 takes over (boundary_ratio)
     lockstep: bool = False                       # several processes: both experts run on every call (see _forward)
     cfg_grad: str = "full"                       # the gradient through CFG: full | cond (unconditional branch detached)
+    guide: Callable | None = None                # (v_u, v_c, w) -> guided v; None = v_u + w (v_c - v_u) (Qwen-Image:
+                                                 # its pipeline's "true CFG", renormalized to v_c's norm)
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, enc: torch.Tensor, pooled: torch.Tensor,
                  cfg_scale: float = 1.0, neg: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -70,32 +71,39 @@ class FlowModel:
         v_u, v_c = v.chunk(2)
         if self.cfg_grad == "cond":  # Flow-GRPO's reference: d v / d theta = w d v_c / d theta
             v_u = v_u.detach()
-        return v_u + cfg_scale * (v_c - v_u)
+        return v_u + cfg_scale * (v_c - v_u) if self.guide is None else self.guide(v_u, v_c, cfg_scale)
 
     def initial_noise(self, seeds: list[int], device="cpu") -> torch.Tensor:
         """[N, C, H, W] standard normal noise, one generator per sample so a sample never depends on its batch."""
         return torch.stack([torch.randn(self.latent_shape, generator=torch.Generator().manual_seed(int(s)))
                             for s in seeds]).to(device)
 
-    def negative(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(enc [n, L, D], pooled [n, P]) of the empty prompt."""
+    def encode(self, texts: list[str], images: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(enc [B, L, D], pooled [B, P]) of texts, with each row's conditioning images when the family takes them."""
+        return self.encode_prompts(texts) if images is None else self.encode_prompts(texts, images)
+
+    def negative(self, n: int, images: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(enc [n, L, D], pooled [n, P]) of the empty prompt (with each row's conditioning images, if any)."""
+        if images is not None:
+            return self.encode([""] * n, images)
         enc, pooled = self.encode_prompts([""])
         return enc.expand(n, -1, -1), pooled.expand(n, -1)
 
     @torch.no_grad()
     def generate(self, texts: list[str], seeds: list[int], num_steps: int = 16, cfg_scale: float = 4.0,
-                 shift: float = 1.0, encoded: tuple | None = None) -> torch.Tensor:
+                 shift: float = 1.0, encoded: tuple | None = None, images: list | None = None) -> torch.Tensor:
         """ODE samples decoded to images [N, 3, H, W] in [-1, 1]. encoded: (enc, pooled, neg or None) already
-        computed by the caller (a policy whose text encoders wait on the CPU), else the prompts are encoded here."""
+        computed by the caller (a policy whose text encoders wait on the CPU), else the prompts (and each row's
+        conditioning `images`) are encoded here."""
         from mmrl.sampling.flow_sde import run_chain
 
         device = next(self.transformer.parameters()).device
         if encoded is None:
-            enc, pooled = self.encode_prompts(texts)
-            neg = self.negative(len(texts)) if cfg_scale != 1.0 else None
+            enc, pooled = self.encode(texts, images)
+            neg = self.negative(len(texts), images) if cfg_scale != 1.0 else None
         else:
             enc, pooled, neg = encoded
-        sigmas = sigma_schedule(num_steps, shift, self.schedule_mu, self.shift_terminal, self.linspace_sigmas)
+        sigmas = self.schedule(num_steps, shift)
         traj = run_chain(lambda x, s: self.velocity(x, s, enc, pooled, cfg_scale, neg),
                          self.initial_noise(seeds, device), sigmas, ["ode"] * num_steps, 0.0, record=False)
         return self.decode(traj.latents[:, -1])
@@ -137,32 +145,3 @@ def velocity_from_prediction(out: torch.Tensor, x: torch.Tensor, sigma: torch.Te
     if prediction == "sample":
         return (x.float() - out) / sigma.float().clamp(min=SIGMA_MIN_X_PRED).view(-1, *([1] * (x.dim() - 1)))
     raise ValueError(f"unknown prediction {prediction!r}; valid: {PREDICTIONS}")
-
-
-def sigma_schedule(num_steps: int, shift: float = 1.0, mu: float | None = None,
-                   shift_terminal: float | None = None, linspace: bool = False) -> torch.Tensor:
-    """[num_steps + 1] sigmas from 1 to 0 as diffusers' FlowMatchEulerDiscreteScheduler sets them: a static shift
-    s (SD3: sigma' = s sigma / (1 + (s - 1) sigma)), or, when mu is given, FLUX's resolution-dependent shift
-    sigma' = e^mu / (e^mu + 1 / sigma - 1) of sigma = linspace(1, 1 / S, S), as FluxPipeline calls it, stretched
-    to end at shift_terminal when given (Qwen-Image). linspace: the static shift of linspace(1, 1 / S, S) (Z-Image)."""
-    import numpy as np
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    if mu is None:
-        sch = FlowMatchEulerDiscreteScheduler(shift=shift)
-        sch.set_timesteps(num_steps, sigmas=np.linspace(1.0, 1 / num_steps, num_steps) if linspace else None)
-    else:
-        sch = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift_terminal=shift_terminal)
-        sch.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
-    return sch.sigmas.float().clone()
-
-
-def dynamic_shift_mu(image_seq_len: int, scheduler_config: dict) -> float | None:
-    """FLUX's mu: linear in the packed image sequence length between (base_image_seq_len, base_shift) and
-    (max_image_seq_len, max_shift); None when the scheduler does not shift dynamically."""
-    c = scheduler_config
-    if not c.get("use_dynamic_shifting"):
-        return None
-    lo, hi = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
-    b0, b1 = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
-    return b0 + (image_seq_len - lo) * (b1 - b0) / (hi - lo)

@@ -23,10 +23,10 @@ import torch
 from mmrl.algorithms.losses import objective
 from mmrl.cache import BoundedCache
 from mmrl.config import sample_chunk
-from mmrl.data import PolicyOutput, Rollout, group_ids
+from mmrl.data import PolicyOutput, Rollout, condition_images, group_ids
 from mmrl.policy.base import (PolicyDefaults, base_model_path, load_lora_adapter, reference_kind, resolve_model_path,
                               save_lora_adapter, upcast_trainable, write_policy_meta)
-from mmrl.models.flow_model import EXPERTS, FlowModel, sigma_schedule
+from mmrl.models.flow_model import EXPERTS, FlowModel
 from mmrl.models.pipelines import load_flow_model
 from mmrl.rollout.tree import run_tree, trained_steps
 from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std, strided_schedule
@@ -61,8 +61,7 @@ class FlowPolicy(PolicyDefaults):
         if reference == "auto" and not self.lora:
             self._ref_copy = {name: copy.deepcopy(tr).requires_grad_(False).eval() for name, tr in self.experts()}
         self.has_reference = reference == "auto"
-        self.sigmas = sigma_schedule(sampler_cfg.num_steps, sampler_cfg.shift, model.schedule_mu,  # [S + 1]
-                                     model.shift_terminal, model.linspace_sigmas)
+        self.sigmas = model.schedule(sampler_cfg.num_steps, sampler_cfg.shift)  # [S + 1], the family's shift
         # mean SDE std over the trainable steps 0 .. S-2 of the schedule (TempFlow-GRPO's weight normalizer)
         sig = self.sigmas[:-2]
         zeros = torch.zeros(len(sig), 1)
@@ -71,7 +70,8 @@ class FlowPolicy(PolicyDefaults):
         self.schedule_std_mean = float(stds.mean())
         self._neg = None
         self.micro_batch = micro_batch  # rows per forward without gradients (sampling, decoding); 0 = all
-        self.text_cache = BoundedCache(text_cache, 2**30)  # prompt -> (enc [L, D], pooled [P])
+        self.text_cache = BoundedCache(text_cache, 2**30)  # (prompt, images) -> (enc [L, D], pooled [P])
+        self.condition_images = getattr(model.family, "condition_images", 0)  # images per example (edits, I2V)
         self.offload = offload  # frozen parts (text encoders, VAE, reference copy) wait on CPU between uses
         self.objective = objective  # transitions: the SDE steps are the actions | forward: noise levels of x0 (§10)
         if offload:
@@ -106,40 +106,60 @@ class FlowPolicy(PolicyDefaults):
             for m in modules:
                 m.to("cpu")
 
+    def images(self, examples: list[dict]) -> list[list] | None:
+        """Each example's conditioning images (PIL) when the family conditions on images, else None."""
+        if not self.condition_images:
+            return None
+        return [condition_images(ex, self.condition_images) for ex in examples]
+
     @torch.no_grad()
-    def encode(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(enc [n, L, D], pooled [n, P]) of texts: each distinct text runs the text encoders once (a group shares
-        its prompt's embedding) and stays cached across iterations (the encoders are frozen)."""
-        new = [t for t in dict.fromkeys(texts) if t not in self.text_cache]
+    def encode(self, texts: list[str], images: list[list] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(enc [n, L, D], pooled [n, P]) of texts (with each row's conditioning images): each distinct row runs
+        the encoders once (a group shares its prompt's embedding) and stays cached across iterations (the
+        encoders are frozen)."""
+        keys = [(t, tuple(getattr(im, "filename", "") or id(im) for im in imgs) if images else ())
+                for t, imgs in zip(texts, images or [None] * len(texts))]
+        first: dict = {}  # each distinct key's first row
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        new = [k for k in first if k not in self.text_cache]
         if new:
             with self._onload(self.model.text_modules):
-                enc, pooled = self.model.encode_prompts(new)
-            for i, t in enumerate(new):
-                self.text_cache.get(t, lambda: (enc[i], pooled[i]))
-        rows = [self.text_cache.get(t, None) for t in texts]
-        if any(r is None for r in rows):  # the batch's own texts overflowed the cache: encode them directly
+                enc, pooled = self.model.encode([k[0] for k in new], [images[first[k]] for k in new] if images else None)
+            for i, k in enumerate(new):
+                self.text_cache.get(k, lambda: (enc[i], pooled[i]))
+        rows = [self.text_cache.get(k, None) for k in keys]
+        if any(r is None for r in rows):  # the batch's own rows overflowed the cache: encode them directly
             with self._onload(self.model.text_modules):
-                return self.model.encode_prompts(texts)
+                return self.model.encode(texts, images)
         return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
-    def _negative(self, n: int):
+    def _negative(self, n: int, images: list[list] | None = None):
+        """(enc [n, L, D], pooled [n, P]) of the empty prompt, with each row's conditioning images if any."""
+        if images is not None:
+            return self.encode([""] * n, images)
         if self._neg is None:
             with torch.no_grad():
                 with self._onload(self.model.text_modules):
                     self._neg = self.model.negative(1)
         return self._neg[0].expand(n, -1, -1), self._neg[1].expand(n, -1)
 
-    def _velocity_fn(self, enc, pooled, chunked: bool = True):
-        """v(x [n, *D], sigma [n]) with the prompts' embeddings enc [n, L, D], pooled [n, P] and CFG; without
-        gradients it runs micro_batch rows per forward (CFG doubles them) when `chunked`. Training passes (log_prob,
-        the KL reference's included) are not chunked: the trainer's micro-batches bound them, and under FSDP every
-        rank must run the same forwards whatever its pass holds."""
+    def _velocity_fn(self, enc, pooled, chunked: bool = True, images: list[list] | None = None):
+        """v(x [n, *D], sigma [n]) with the prompts' embeddings enc [n, L, D], pooled [n, P] and CFG (the empty
+        prompt's embeddings, with the rows' conditioning `images` if any); without gradients it runs micro_batch rows
+        per forward (CFG doubles them) when `chunked`. Training passes (log_prob, the KL reference's included) are
+        not chunked: the trainer's micro-batches bound them, and under FSDP every rank must run the same forwards
+        whatever its pass holds."""
         cfg = self.cfg.cfg_scale
+        if cfg == 1.0:
+            return lambda x, s: in_chunks(lambda *a: self.model.velocity(*a), self.micro_batch if chunked else 0,
+                                          x, s, enc, pooled)
+        neg_enc, neg_pooled = self._negative(len(enc), images)
 
-        def one(x, s, e, p):
-            return self.model.velocity(x, s, e, p, cfg, self._negative(len(x)) if cfg != 1.0 else None)
+        def one(x, s, e, p, ne, np_):
+            return self.model.velocity(x, s, e, p, cfg, (ne, np_))
 
-        return lambda x, s: in_chunks(one, self.micro_batch if chunked else 0, x, s, enc, pooled)
+        return lambda x, s: in_chunks(one, self.micro_batch if chunked else 0, x, s, enc, pooled, neg_enc, neg_pooled)
 
     @torch.no_grad()
     def sample(self, examples: list[dict], group_size: int, generator: torch.Generator,
@@ -155,15 +175,16 @@ class FlowPolicy(PolicyDefaults):
             if not torch.equal(rows, torch.tensor([t * group_size + j for t in trees for j in range(group_size)],
                                                   dtype=rows.dtype)):
                 raise ValueError("tree rollouts sample whole trees: rows must be whole groups")
-            traj, steps, extra = self._sample_tree(texts, generator, trees)
+            traj, steps, extra = self._sample_tree(texts, generator, trees, self.images(examples))
         else:
-            traj, steps, extra = self._sample_chain(texts, group_size, generator, rows.tolist())
+            traj, steps, extra = self._sample_chain(texts, group_size, generator, rows.tolist(), self.images(examples))
         n, w = len(rows), torch.tensor(steps)
         p = torch.tensor(extra.pop("pos", steps))                   # where the trained steps sit in the trajectory
         seeds = extra.pop("seeds", None)
         enc, pooled = extra.pop("enc"), extra.pop("pooled")
+        row_images = self.images([examples[i // group_size] for i in rows.tolist()])
         if self.objective == "forward":
-            extras, old_log_prob = self._forward_actions(traj.latents[:, -1], enc, pooled, seeds)
+            extras, old_log_prob = self._forward_actions(traj.latents[:, -1], enc, pooled, seeds, row_images)
         else:
             a = len(steps)
             extras = {
@@ -183,7 +204,8 @@ class FlowPolicy(PolicyDefaults):
                        action_mask=torch.ones(old_log_prob.shape, dtype=torch.bool),
                        examples=[examples[i // group_size] for i in rows.tolist()], outputs=images, extras=extras)
 
-    def _forward_actions(self, x0: torch.Tensor, enc: torch.Tensor, pooled: torch.Tensor, seeds: list[int]):
+    def _forward_actions(self, x0: torch.Tensor, enc: torch.Tensor, pooled: torch.Tensor, seeds: list[int],
+                         images: list[list] | None = None):
         """The actions of forward-process losses (algo.policy_loss=awm | nft; docs/algorithms.md §10): for each final
         sample x0 [n, *D], K = sampler.forward_timesteps noise levels t ~ U(forward_t_range) and noises eps drawn
         from the row's seed, x_t = (1 - t) x0 + t eps, and the sampling weights' velocity there (no gradient).
@@ -194,8 +216,9 @@ class FlowPolicy(PolicyDefaults):
         eps = torch.stack([torch.randn(k, *x0.shape[1:], generator=g) for g in gens]).to(x0)           # [n, K, *D]
         tb = t.reshape(*t.shape, *([1] * (x0.dim() - 1)))
         xt = (1 - tb) * x0[:, None] + tb * eps                                                          # [n, K, *D]
-        v = self._velocity_fn(enc.repeat_interleave(k, 0), pooled.repeat_interleave(k, 0))(xt.flatten(0, 1),
-                                                                                           t.flatten())
+        images = None if images is None else [im for im in images for _ in range(k)]
+        v = self._velocity_fn(enc.repeat_interleave(k, 0), pooled.repeat_interleave(k, 0), images=images)(
+            xt.flatten(0, 1), t.flatten())
         v, target = v.float().view_as(xt), (eps - x0[:, None]).float()
         extras = {"latents": xt, "target": target, "old_velocity": v, "sigma": t,
                   "step_index": torch.arange(k).expand(len(x0), k).clone()}
@@ -204,31 +227,33 @@ class FlowPolicy(PolicyDefaults):
     def _seeds(self, n: int, generator: torch.Generator) -> list[int]:
         return torch.randint(0, 2**31 - 1, (n,), generator=generator).tolist()
 
-    def _sample_chain(self, texts, group_size, generator, rows: list[int]):
+    def _sample_chain(self, texts, group_size, generator, rows: list[int], images: list[list] | None = None):
         seeds = self._seeds(len(texts) * group_size, generator)     # one per row of the whole batch
         init = [seeds[i - i % group_size] for i in range(len(seeds))] if self.cfg.shared_noise else seeds
         # shared_noise: one initial noise per group (rows b*G .. b*G+G-1 start from seed b*G)
         window = self._window(generator)
-        enc, pooled = self.encode([texts[i // group_size] for i in rows])                # [n, L, D], [n, P]
+        images = None if images is None else [images[i // group_size] for i in rows]
+        enc, pooled = self.encode([texts[i // group_size] for i in rows], images)        # [n, L, D], [n, P]
         x = self.model.initial_noise([init[i] for i in rows], self.device)              # [n, C, H, W]
         step_noise = [torch.Generator(self.device).manual_seed((seeds[i] * 1_000_003 + 12_345) % 2**63) for i in rows]
         kinds = ["ode"] * self.cfg.num_steps
         for i in window:
             kinds[i] = self.cfg.kind
         sigmas, kinds, pos = strided_schedule(self.sigmas, kinds, self.cfg.ode_stride)  # MixGRPO-Flash when > 1
-        traj = run_chain(self._velocity_fn(enc, pooled), x, sigmas, kinds, self.cfg.noise_level,
+        traj = run_chain(self._velocity_fn(enc, pooled, images=images), x, sigmas, kinds, self.cfg.noise_level,
                          generator=step_noise, reduce=self.cfg.logprob_reduce, progress=self.progress,
                          ode_solver=self.cfg.ode_solver)
         return traj, window, {"enc": enc, "pooled": pooled, "pos": [pos[i] for i in window],
                               "seeds": [seeds[i] for i in rows]}
 
-    def _sample_tree(self, texts, generator, trees: list[int]):
+    def _sample_tree(self, texts, generator, trees: list[int], images: list[list] | None = None):
         """Trees `trees` of the batch's len(texts): each tree's noise comes from its own seed (one generator per
         tree, its paths drawing in order), so a tree is the same whichever process grows it."""
         t = self.tree
         seeds = self._seeds(len(texts), generator)
         texts, seeds = [texts[i] for i in trees], [seeds[i] for i in trees]
-        enc, pooled = self.encode(texts)                            # [B, L, D], [B, P]
+        images = None if images is None else [images[i] for i in trees]
+        enc, pooled = self.encode(texts, images)                    # [B, L, D], [B, P]
         x = self.model.initial_noise(seeds, self.device)             # [B, C, H, W] one root noise per tree
         last = self.cfg.num_steps - 1
         sde = self._window(generator) if self.cfg.sde_window_size else range(last)  # Mix: window + splits
@@ -237,7 +262,8 @@ class FlowPolicy(PolicyDefaults):
             kinds[i] = self.cfg.kind
 
         def velocity(x, s, tree):  # x [M, C, H, W], s [M], tree [M]: the prompt of each alive path
-            return self._velocity_fn(enc[tree], pooled[tree])(x, s)
+            return self._velocity_fn(enc[tree], pooled[tree],
+                                     images=None if images is None else [images[i] for i in tree.tolist()])(x, s)
 
         tr = run_tree(velocity, x, self.sigmas, kinds, t.split_steps, t.branch, self.cfg.noise_level,
                       generator=[torch.Generator(self.device).manual_seed(s) for s in seeds], reduce=self.cfg.logprob_reduce,
@@ -266,8 +292,10 @@ class FlowPolicy(PolicyDefaults):
         pick = lambda t: t[rows, cols]                                # [n, A, ...] -> [k, ...]
         place = lambda base, val: base.index_put((rows, cols), val)   # [k, ...] into [n, A, ...], differentiable
         old = rollout.old_log_prob[index].to(self.device)
-        v = self._velocity_fn(e["enc"][rows], e["pooled"][rows], chunked=False)(pick(e["latents"]),
-                                                                                pick(e["sigma"])).float()
+        images = self.images([rollout.examples[i] for i in index.tolist()])
+        images = None if images is None else [images[i] for i in rows.tolist()]
+        v = self._velocity_fn(e["enc"][rows], e["pooled"][rows], chunked=False, images=images)(
+            pick(e["latents"]), pick(e["sigma"])).float()
         if self.objective == "forward":  # the negative flow-matching loss of each noise level (§10)
             lp = -(v - pick(e["target"])).pow(2).flatten(1).mean(1)
             return PolicyOutput(place(old, lp), {"velocity": place(e["old_velocity"], v), "sigma": e["sigma"],
@@ -350,9 +378,9 @@ class FlowPolicy(PolicyDefaults):
 
     @torch.no_grad()
     def evaluate(self, examples: list[dict], seed: int) -> torch.Tensor:
-        texts = [ex["prompt"] for ex in examples]
-        enc, pooled = self.encode(texts)  # model.offload: the text encoders visit the device for this only
-        neg = self._negative(len(texts)) if self.cfg.eval_cfg_scale != 1.0 else None
+        texts, images = [ex["prompt"] for ex in examples], self.images(examples)
+        enc, pooled = self.encode(texts, images)  # model.offload: the text encoders visit the device for this only
+        neg = self._negative(len(texts), images) if self.cfg.eval_cfg_scale != 1.0 else None
         return self.model.generate(texts, [seed + i for i in range(len(texts))], self.cfg.eval_steps,
                                    self.cfg.eval_cfg_scale, self.cfg.shift, encoded=(enc, pooled, neg))
 
@@ -367,7 +395,8 @@ class FlowPolicy(PolicyDefaults):
             if self.lora:
                 where = path if name == "transformer" else os.path.join(path, name)
                 os.makedirs(where, exist_ok=True)
-                save_diffusers_lora(tr, save_lora_adapter(tr, self.lora_config, where), self.lora_config, where)
+                save_diffusers_lora(getattr(self.model.family, "lora_pipeline", None),
+                                    save_lora_adapter(tr, self.lora_config, where), self.lora_config, where)
             else:
                 tr.save_pretrained(os.path.join(path, name))
         if not self.lora and self.model_path and os.path.isfile(os.path.join(self.model_path, "model_index.json")):
@@ -381,18 +410,12 @@ class FlowPolicy(PolicyDefaults):
                 _load_transformer_weights(tr, path, name)
 
 
-# the diffusers pipeline whose LoRA loader reads each transformer class's adapters
-LORA_PIPELINES = {"SD3Transformer2DModel": "StableDiffusion3Pipeline", "FluxTransformer2DModel": "FluxPipeline",
-                  "WanTransformer3DModel": "WanPipeline", "QwenImageTransformer2DModel": "QwenImagePipeline",
-                  "ZImageTransformer2DModel": "ZImagePipeline"}
-
-
-def save_diffusers_lora(transformer: torch.nn.Module, adapter: dict[str, torch.Tensor], lora_config, path: str) -> None:
-    """pytorch_lora_weights.safetensors: the adapter as diffusers saves it (keys under `transformer.`, rank and
-    alpha in the file's metadata), so `pipe.load_lora_weights(path)` of the base pipeline loads it as trained."""
+def save_diffusers_lora(name: str | None, adapter: dict[str, torch.Tensor], lora_config, path: str) -> None:
+    """pytorch_lora_weights.safetensors: the adapter as diffusers saves it through pipeline class `name` (the
+    family's lora_pipeline; keys under `transformer.`, rank and alpha in the file's metadata), so
+    `pipe.load_lora_weights(path)` of the base pipeline loads it as trained. None (mmrl's pixel models): not written."""
     import diffusers
 
-    name = LORA_PIPELINES.get(type(transformer).__name__)
     if name is None:
         return
     meta = {k: v for k, v in lora_config.to_dict().items() if k in ("r", "lora_alpha", "target_modules",
@@ -437,7 +460,7 @@ def build_flow_policy(cfg) -> FlowPolicy:
         raise ValueError(f"{path!r} is an mmrl policy checkpoint; use it with mmrl eval, or set model.path to a "
                          f"base model folder")
     options = {"sample_size": cfg.model.sample_size, "num_frames": cfg.model.num_frames, "guidance": cfg.model.guidance,
-               "text_max_length": cfg.model.text_max_length}
+               "text_max_length": cfg.model.text_max_length, "family": cfg.model.family}
     model = load_flow_model(path, dtype, device, **options)
     return FlowPolicy(model, cfg.sampler, cfg.model.lora, reference_kind(cfg), path, cfg.log.progress, cfg.tree,
                       options, sample_chunk(cfg.train), cfg.model.text_cache, cfg.model.offload,
