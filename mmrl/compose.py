@@ -17,7 +17,7 @@ import inspect
 
 from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS_AGG, OFFPOLICY, POLICY_LOSSES,
                              RATIO_TRANSFORMS, REWARD_AGGREGATIONS, REWARD_SHAPINGS, WEIGHTINGS)
-from mmrl.algorithms.losses import objective
+from mmrl.algorithms.objective import build_objective, check_knobs, loss_name
 from mmrl.config import Config, TaskConfig, policy_kind
 from mmrl.config_files import load_config as parse_config
 from mmrl.policy import POLICIES
@@ -52,6 +52,9 @@ def check_choices(cfg: Config) -> Config:
     for key in ("name", "eval_name"):
         if getattr(cfg.reward, key):
             REWARDS.check(getattr(cfg.reward, key), f"reward.{key}")
+    if cfg.algo.objective.name:
+        POLICY_LOSSES.check(cfg.algo.objective.name, "algo.objective.name")
+    check_knobs(cfg.algo)
     for registry, key in ((ADVANTAGES, "advantage"), (POLICY_LOSSES, "policy_loss"), (LOSS_AGG, "loss_agg"),
                           (KL_ESTIMATORS, "kl"), (RATIO_TRANSFORMS, "ratio"), (REWARD_SHAPINGS, "reward_shaping"),
                           (REWARD_AGGREGATIONS, "reward_aggregation"), (OFFPOLICY, "offpolicy")):
@@ -74,15 +77,17 @@ def check_choices(cfg: Config) -> Config:
 
 
 def _check_objective(cfg: Config) -> None:
-    a, s = cfg.algo, cfg.sampler
-    if objective(a.policy_loss) != "forward":
+    """What the objective's terms declare they need (mmrl/algorithms/objective.py) against the rest of the config."""
+    a, s, obj, name = cfg.algo, cfg.sampler, build_objective(cfg.algo), loss_name(cfg.algo)
+    loss = POLICY_LOSSES[name]
+    if obj.actions != "forward":
         _choice("sampler.kind", s.kind, SDE_KINDS)
-        if a.policy_loss == "flow_dppo" and (policy_kind(cfg.model.policy) != "flow" or a.ratio != "none"):
-            raise ValueError("algo.policy_loss=flow_dppo bounds the exact KL of flow SDE steps: use a flow policy "
-                             "and algo.ratio=none (its trust region replaces ratio transforms)")
+        if getattr(loss, "flow_steps_only", False) and (policy_kind(cfg.model.policy) != "flow" or a.ratio != "none"):
+            raise ValueError(f"algo.policy_loss={name} bounds the exact KL of flow SDE steps: use a flow policy "
+                             f"and algo.ratio=none (its trust region replaces ratio transforms)")
         return
     _choice("sampler.kind", s.kind, SDE_KINDS + ("ode",))
-    fix = f"algo.policy_loss={a.policy_loss} trains on the forward process of final samples"
+    fix = f"algo.policy_loss={name} trains on the forward process of final samples"
     if policy_kind(cfg.model.policy) == "token":
         raise ValueError(f"{fix}, which flow policies record: set model.policy=flow or another algo.policy_loss")
     if cfg.tree.split_steps:
@@ -90,13 +95,12 @@ def _check_objective(cfg: Config) -> None:
     if a.weighting != "none" or a.ratio != "none" or (a.kl_coef > 0 and a.kl == "flow_mean"):
         raise ValueError(f"{fix}; algo.weighting, algo.ratio and algo.kl=flow_mean act on SDE steps: set "
                          f"algo.weighting=none, algo.ratio=none, algo.kl=flow_velocity")
-    loss = POLICY_LOSSES[a.policy_loss]  # what the loss declares it reads (mmrl/algorithms/losses.py)
-    if getattr(loss, "needs_reference", False) and (cfg.model.reference == "none" or (
+    if obj.terms[0].needs_reference and (cfg.model.reference == "none" or (
             a.kl_reference == "ema" and cfg.train.ema_decay == 0)):
-        raise ValueError(f"algo.policy_loss={a.policy_loss} compares each sample with a reference: set "
+        raise ValueError(f"algo.policy_loss={name} compares each sample with a reference: set "
                          f"model.reference=auto (the frozen base), or train.ema_decay > 0 with algo.kl_reference=ema")
-    if getattr(loss, "needs_whole_groups", False) and (cfg.train.minibatches != 1 or cfg.train.micro_batch):
-        raise ValueError(f"algo.policy_loss={a.policy_loss} sums over whole groups in one pass: set "
+    if obj.needs_whole_groups and (cfg.train.minibatches != 1 or cfg.train.micro_batch):
+        raise ValueError(f"algo.policy_loss={name} sums over whole groups in one pass: set "
                          f"train.minibatches=1, train.micro_batch=0")
     if s.kind == "ode" and s.shared_noise:
         raise ValueError("sampler.kind=ode with sampler.shared_noise: every sample of a group would be the same image "

@@ -134,12 +134,20 @@ class RewardConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    name: str | None = None       # POLICY_LOSSES key (replaces algo.policy_loss) | package.module:fn; None = policy_loss
+    kwargs: dict = field(default_factory=dict)  # the loss's own knobs (fn.knobs), e.g. {dgpo_beta: 50.0}; the others
+                                  # keep their algo.* values
+
+
+@dataclass
 class AlgoConfig:
     advantage: str = "grpo"       # ADVANTAGES key
     global_std: bool = False      # normalize by the batch std instead of the group std
     adv_eps: float = 1e-4
     adv_clip: float = 5.0         # |A| <= 5 (Flow-GRPO)
-    policy_loss: str = "ppo_clip"  # POLICY_LOSSES key
+    policy_loss: str = "ppo_clip"  # POLICY_LOSSES key (or algo.objective: {name, kwargs}, mmrl/algorithms/objective.py)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     clip_range: float = 1e-4      # Flow-GRPO SD3 with mean-reduced log-probs: 1e-4
     clip_range_high: float | None = None  # DAPO clip-higher; None = clip_range
     loss_agg: str = "seq_mean_token_mean"  # LOSS_AGG key

@@ -316,7 +316,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
     if policy_kind(cfg.model.policy) is None:
         raise ValueError(f"mmrl plan knows the built-in policies (flow, token), not model.policy={cfg.model.policy}")
     if policy_kind(cfg.model.policy) == "flow":
-        from mmrl.algorithms.losses import objective
+        from mmrl.algorithms.objective import build_objective
         from mmrl.sampling.flow_sde import strided_schedule
 
         model, family, inputs = _flow_model(cfg, arch)
@@ -329,7 +329,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
         cfg_rows = 2 if s.cfg_scale != 1.0 else 1
         # trained actions per row: SDE steps, or noise levels of the final sample (forward-process losses, which
         # also pay one velocity forward per action when sampling)
-        forward = objective(cfg.algo.policy_loss) == "forward"
+        forward = build_objective(cfg.algo).actions == "forward"
         trained_steps = s.forward_timesteps if forward else s.sde_window_size or s.num_steps - 1
         kinds = ["sde" if i < min(s.sde_window_size or s.num_steps, s.num_steps - 1) else "ode"
                  for i in range(s.num_steps)]  # MixGRPO-Flash's strided ODE, the window at its first start

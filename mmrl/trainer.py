@@ -22,10 +22,9 @@ from tqdm import tqdm
 
 from mmrl import checkpoint as ckpt
 from mmrl import compose
-from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES,
-                             RATIO_TRANSFORMS, REWARD_SHAPINGS, WEIGHTINGS, LossContext)
+from mmrl.algorithms import ADVANTAGES, CREDIT_ASSIGNMENTS, REWARD_SHAPINGS
+from mmrl.algorithms.objective import Batch, build_objective
 from mmrl.algorithms.offpolicy import injection_diagnostics
-from mmrl.algorithms.weighting import truncated_is
 from mmrl.config import Config, sample_chunk
 from mmrl.data import Rollout, micro_batches
 from mmrl.distributed import Distributed, check_parallel_config, full
@@ -48,6 +47,7 @@ class Trainer:
         self.dist = Distributed(cfg.train.parallel, cfg.train.context_parallel, cfg.train.cp_kind)
         torch.manual_seed(cfg.train.seed)  # the same initial weights (and LoRA init) on every rank
         self.policy = compose.build_policy(cfg)
+        self.objective = build_objective(cfg.algo)  # what each training pass minimizes (its terms)
         if cfg.train.gradient_checkpointing:
             self.policy.enable_gradient_checkpointing()
         if self.dist.cp > 1:  # before DDP / FSDP wrap the transformers
@@ -243,12 +243,11 @@ class Trainer:
     def _accumulate(self, rollout, idx, actions, adv, n_step, a_step, weight, steps, stats, ratios) -> None:
         """Forward and backward of rows `idx` (only `actions` [n, A] when given) with the loss normalized by the
         optimizer step's sizes: the gradients of the parts add up to the gradient of the whole minibatch."""
-        a = self.cfg.algo
-        kw = {} if actions is None else {"actions": actions}
-        loss_fn, ref = POLICY_LOSSES[a.policy_loss], None  # a loss may read a LossContext (needs_output)
-        if a.kl_coef > 0 or getattr(loss_fn, "needs_reference", False):  # before the forward with gradients (the
-            with torch.no_grad(), self.ema.swapped() if a.kl_reference == "ema" else self.policy.reference(), \
-                    self.dist.autocast(self.cfg.train.mixed_precision, self.policy):  # EMA: in place; policy precision
+        kw, obj = ({} if actions is None else {"actions": actions}), self.objective
+        ref = None
+        if obj.needs_reference:  # before the forward with gradients (EMA: swapped in place; the policy's precision)
+            with torch.no_grad(), self.ema.swapped() if self.cfg.algo.kl_reference == "ema" else self.policy.reference(), \
+                    self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
                 ref = self.policy.log_prob(rollout, idx, **kw)
         with self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
             out = self.policy.log_prob(rollout, idx, **kw)
@@ -260,40 +259,25 @@ class Trainer:
             rollout.old_log_prob[idx] = torch.where(deferred, out.log_prob.detach().to(old), old)
         dev = out.log_prob.device  # the loss runs where the log-probs are; bookkeeping comes from CPU
         mb = rollout.select(idx).to(dev)
-        logp = RATIO_TRANSFORMS[a.ratio](out.log_prob, mb.old_log_prob, mb, out)
-        ctx = (LossContext(out, ref, mb.group_id),) if getattr(loss_fn, "needs_output", False) else ()
-        loss_a, s = loss_fn(logp, mb.old_log_prob, adv[idx].to(dev), a, *ctx)
-        if a.kl_coef > 0:
-            kl = KL_ESTIMATORS[a.kl](out, ref)
-            loss_a = loss_a + a.kl_coef * kl
-            s["kl"] = kl.detach()
-        for name in a.weighting.split("+"):
-            loss_a = loss_a * WEIGHTINGS[name](mb, out)
-        if a.tis_cap:  # the engine sampled from its own distribution: reweight towards the trainer's
-            if "rollout_log_prob" not in mb.extras:
-                raise ValueError(f"algo.tis_cap={a.tis_cap}: this policy's sampling engine records no log-probs of its "
-                                 f"own (rollout.extras['rollout_log_prob']); use sampler.engine=prefix_cache or vllm, "
-                                 f"or set algo.tis_cap=0")
-            tis, s["tis_truncated"] = truncated_is(mb.old_log_prob, mb.extras["rollout_log_prob"].to(dev), a.tis_cap)
-            loss_a, s["tis_weight"] = loss_a * tis, tis
         mask = mb.action_mask  # the whole rows' actions normalize the loss; this part's actions carry it
         part = mask if actions is None else mask & actions.to(dev)
-        if a.sft_coef > 0:  # supervised anchor: NLL of the injected (off-policy) rows' actions
-            inj = mb.is_offpolicy[:, None] & part  # [n, A]
-            loss_a = loss_a - a.sft_coef * out.log_prob * inj
-            if inj.any() and weight:
-                stats.setdefault("sft_nll", []).append((-out.log_prob.detach()[inj].sum().item(), int(inj.sum())))
-        loss = LOSS_AGG[a.loss_agg](loss_a * part, mask, n_step, a_step) * weight
+        loss_a, s = obj.per_action(Batch(None, mb.old_log_prob, adv[idx].to(dev), mb.group_id, part, mb, out, ref))
+        loss = obj.aggregate(loss_a * part, mask, n_step, a_step) * weight
         loss.backward()
         if not weight:  # a padding pass: no statistics
             return 0.0
         # statistics as (sum, count) over this part's actions: every rank's parts add up to one set of numbers
-        count = int(part.sum())
-        add = lambda k, v: stats.setdefault(k, []).append((v.detach()[part].float().sum().item(), count))  # noqa: E731
+        def add(k, v, where=part):  # a per-action statistic, averaged over `where`
+            stats.setdefault(k, []).append((v.detach()[where].float().sum().item(), int(where.sum())))
+
         if not steps:  # the rollout's log-probs against the trainer's, same weights: 0 unless they disagree
             add("first_ratio_dev", (torch.exp(out.log_prob.detach() - mb.old_log_prob) - 1).abs())
-        for k, v in s.items():
-            add(k, v)
+        for k, v in s.items():  # the objective's statistics: [n, A], or (values, mask)
+            if isinstance(v, tuple):
+                if v[1].any():
+                    add(k, *v)
+            else:
+                add(k, v)
         if "rollout_log_prob" in mb.extras:  # the engine's log-probs against the trainer's old ones (TIS's ratio)
             known = torch.isfinite(mb.extras["rollout_log_prob"]).to(dev) & part
             if known.any():

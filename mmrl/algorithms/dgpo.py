@@ -45,6 +45,7 @@ def dgpo(log_prob, old_log_prob, advantages, cfg, ctx):
 
 
 dgpo.objective = "forward"
+dgpo.knobs = ("dgpo_beta", "clip_range")
 dgpo.needs_output = True
 dgpo.needs_reference = True
 dgpo.needs_whole_groups = True

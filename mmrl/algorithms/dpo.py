@@ -42,6 +42,7 @@ def dpo(log_prob, old_log_prob, advantages, cfg, ctx):
 
 
 dpo.objective = "forward"
+dpo.knobs = ("dpo_beta",)
 dpo.needs_output = True
 dpo.needs_reference = True
 dpo.needs_whole_groups = True

@@ -32,4 +32,6 @@ def flow_dppo(log_prob, old_log_prob, advantages, cfg, ctx):
 
 
 flow_dppo.needs_output = True
+flow_dppo.knobs = ("dppo_kl_threshold",)
+flow_dppo.flow_steps_only = True  # the exact Gaussian KL of flow SDE steps, with the raw ratio
 POLICY_LOSSES.register("flow_dppo")(flow_dppo)

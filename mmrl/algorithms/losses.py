@@ -48,6 +48,9 @@ def ppo_clip(log_prob, old_log_prob, advantages, cfg):
     return loss, {"ratio": ratio.detach(), "clipped": clip_frac}
 
 
+ppo_clip.knobs = ("clip_range", "clip_range_high")
+
+
 @LOSS_AGG.register("seq_mean_token_mean")
 def seq_mean_token_mean(loss, mask, num_samples, num_actions):
     """GRPO: mean over each sample's actions, then sum over samples / num_samples."""
@@ -76,12 +79,6 @@ def seq_sum_norm(loss, mask, num_samples, num_actions):
 # `needs_reference` that the run keeps a reference; `needs_whole_groups` that a pass must hold whole groups.
 
 
-def objective(policy_loss: str) -> str:
-    """What a policy loss trains on: "transitions" (sampling steps, log-probs) or "forward" (the forward process of
-    the final samples: awm, nft)."""
-    return getattr(POLICY_LOSSES[policy_loss], "objective", "transitions")
-
-
 def awm(log_prob, old_log_prob, advantages, cfg):
     """Advantage Weighted Matching (AWM, arXiv 2509.25050): the flow-matching loss of each sample weighted by its
     advantage. The forward-process "log-prob" is -l, l = mean_d (v_theta(x_t, t) - (eps - x0))^2, so the policy
@@ -91,6 +88,7 @@ def awm(log_prob, old_log_prob, advantages, cfg):
 
 
 awm.objective = "forward"
+awm.knobs = ppo_clip.knobs
 POLICY_LOSSES.register("awm")(awm)
 
 
@@ -128,5 +126,6 @@ def nft(log_prob, old_log_prob, advantages, cfg, ctx):
 
 
 nft.objective = "forward"
+nft.knobs = ("nft_beta", "adv_clip")
 nft.needs_output = True
 POLICY_LOSSES.register("nft")(nft)

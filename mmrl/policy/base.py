@@ -85,10 +85,9 @@ ADAPTER_FILE = "adapter_model.safetensors"
 def reference_kind(cfg) -> str:
     """The reference a run needs: model.reference when algo.kl_coef > 0 or the policy loss compares with a reference
     (DGPO), else none (no frozen copy is kept)."""
-    from mmrl.algorithms import POLICY_LOSSES
+    from mmrl.algorithms.objective import build_objective
 
-    needed = cfg.algo.kl_coef > 0 or getattr(POLICY_LOSSES[cfg.algo.policy_loss], "needs_reference", False)
-    return cfg.model.reference if needed else "none"
+    return cfg.model.reference if build_objective(cfg.algo).needs_reference else "none"
 
 
 def upcast_trainable(module: torch.nn.Module) -> None:

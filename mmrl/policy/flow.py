@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from mmrl.algorithms.losses import objective
+from mmrl.algorithms.objective import build_objective
 from mmrl.cache import BoundedCache
 from mmrl.config import sample_chunk
 from mmrl.data import PolicyOutput, Rollout, condition_images, group_ids
@@ -464,7 +464,7 @@ def build_flow_policy(cfg) -> FlowPolicy:
     model = load_flow_model(path, dtype, device, **options)
     return FlowPolicy(model, cfg.sampler, cfg.model.lora, reference_kind(cfg), path, cfg.log.progress, cfg.tree,
                       options, sample_chunk(cfg.train), cfg.model.text_cache, cfg.model.offload,
-                      objective(cfg.algo.policy_loss))
+                      build_objective(cfg.algo).actions)
 
 
 def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:
