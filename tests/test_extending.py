@@ -5,6 +5,9 @@ import json
 import os
 import textwrap
 
+import pytest
+import torch
+
 from mmrl.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,14 +71,51 @@ def test_the_examples_satisfy_the_protocols():
 
 
 def test_your_own_objective_trains_by_name(tiny_pixel_model, tmp_path, monkeypatch):
-    """docs/examples/my_objective.py named in a config (algo.policy_loss: my_objective:reinforce) trains."""
+    """docs/examples/my_objective.py named in a config with its own knob (algo.objective: {name:
+    my_objective:reinforce, kwargs: {scale: 0.5}}) trains."""
     monkeypatch.syspath_prepend(EXAMPLES)
     from mmrl.compose import load_config
     from mmrl.trainer import Trainer
 
     tr = Trainer(load_config(os.path.join(ROOT, "configs/tiny/flow_smoke.yaml"), [
-        f"model.path={tiny_pixel_model}", "algo.policy_loss=my_objective:reinforce", f"log.out_dir={tmp_path}",
+        f"model.path={tiny_pixel_model}", "algo.objective.name=my_objective:reinforce",
+        "algo.objective.kwargs={scale: 0.5}", f"log.out_dir={tmp_path}",
         "log.tensorboard=false"]))
     before = [p.detach().clone() for p in tr.params]
     m = tr.step(0)
     assert m["train/clip_frac"] == 0 and any((p - q).abs().max() > 0 for p, q in zip(tr.params, before))
+
+
+def test_your_own_family_loads_by_import_path(tmp_path, monkeypatch):
+    """docs/examples/my_family.py (SD3 without T5) named by model.family: the policy has no T5, its prompt tokens are
+    CLIP's 77 plus 256 zeros where T5's go, it samples, and its LoRA adapter loads in diffusers; validate and plan read it too."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from mmrl.compose import load_config
+    from mmrl.models.tiny_pipelines import build_tiny
+    from mmrl.plan import plan
+    from mmrl.policy import POLICIES
+    from mmrl.preflight import check
+
+    monkeypatch.syspath_prepend(EXAMPLES)
+    path = str(tmp_path / "sd3")
+    build_tiny("sd3").save_pretrained(path)
+    cfg = load_config(None, [f"model.path={path}", "model.family=my_family:FAMILY", "model.sample_size=8",
+                             "sampler.num_steps=3", "model.lora.enabled=true", "model.lora.rank=4"])
+    assert check(cfg) == []
+    pol = POLICIES["flow"](cfg)
+    assert pol.model.family.name == "sd3_no_t5"
+    assert not any(type(m).__name__ == "T5EncoderModel" for m in pol.model.text_modules)
+    enc, pooled = pol.model.encode(["a red circle"])
+    assert enc.shape[1] == 77 + 256 and enc[0, 77:].abs().max() == 0 and enc[0, :77].abs().max() > 0
+    ro = pol.sample([{"prompt": "a red circle"}], 2, torch.Generator().manual_seed(0))
+    assert ro.outputs.shape == (2, 3, 16, 16)
+    pol.save_pretrained(str(tmp_path / "policy"))
+    pipe = StableDiffusion3Pipeline.from_pretrained(path)
+    base_params = sum(p.numel() for p in pipe.transformer.parameters())
+    pipe.load_lora_weights(str(tmp_path / "policy"))  # the family's lora_pipeline wrote diffusers' format
+    assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+    full = load_config(None, [f"model.path={path}", "model.family=my_family:FAMILY", "model.sample_size=8"])
+    assert plan(full)["params"] == base_params
+    with pytest.raises(ValueError, match="model.family"):
+        load_config(None, [f"model.path={path}", "model.family=sd33"])

@@ -18,7 +18,7 @@ LORA_TARGETS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention
 
 
 def z_image_call(transformer, x, sigma, enc, mask):
-    caps = [e[m.bool()] for e, m in zip(enc, mask)]
+    caps = [e[m.bool()] for e, m in zip(enc, mask)] if mask is not None else list(enc)  # each prompt's own tokens
     out = transformer(list(x.unsqueeze(2).unbind(0)), 1 - sigma, caps, return_dict=False)[0]
     return -torch.stack([o.float() for o in out]).squeeze(2)
 
@@ -45,7 +45,10 @@ def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
 
 def plan_inputs(config: dict, folder: str | None, options: LoadOptions) -> PlanInputs:
     size = options.sample_size or 128
-    return PlanInputs(z_image_call, (config["in_channels"], size, size), TEXT_LEN, config["cap_feat_dim"], TEXT_LEN)
+    def call(transformer, x, sigma, enc, mask):  # on meta tensors: every prompt at its full TEXT_LEN tokens
+        return z_image_call(transformer, x, sigma, enc, None)
+
+    return PlanInputs(call, (config["in_channels"], size, size), TEXT_LEN, config["cap_feat_dim"], TEXT_LEN)
 
 
 def tiny(seed: int = 0):
