@@ -34,6 +34,7 @@ REWARDS = Registry("reward", {
     "video_frames": "rewards.video:FrameReward",
     "temporal_consistency": "rewards.video:TemporalConsistency",
     "pairwise": "mmrl.rollout.pairwise:PairwiseReward",
+    "preference_label": "tasks.preference:PreferenceLabel",
     "multi": "mmrl.reward:MultiReward",
     "remote": "mmrl.reward_server:RemoteReward",
 })

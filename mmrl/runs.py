@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 RUN_FILES = ("metrics.jsonl", "results.json", "config.json", "checkpoints", "tb")
 # keys whose change makes the saved weights / optimizer state another experiment's: refused on --resume
-BREAKING = ("model.", "algo.policy_loss", "algo.advantage", "algo.ratio", "algo.loss_agg", "algo.credit",
+BREAKING = ("model.", "algo.policy_loss", "algo.objective.name", "algo.advantage", "algo.ratio", "algo.loss_agg", "algo.credit",
             "train.ema_decay", "tree.")
 NOT_BREAKING = ("model.offload", "model.text_cache")
 QUIET = ("log.", "train.iterations", "train.time_budget_min")  # extending or relogging a run: no warning

@@ -86,3 +86,12 @@ def test_a_users_own_objective_by_import_path(tmp_path, monkeypatch):
     loss, _ = build_objective(cfg.algo).per_action(batch(torch.tensor([[0.5]]), torch.tensor([[0.5]]),
                                                          torch.tensor([2.0])))
     assert loss.item() == pytest.approx(-3.0)
+
+
+def test_a_knob_set_in_two_places_or_two_losses_named_is_refused():
+    with pytest.raises(ValueError, match="same knob twice"):
+        load_config("configs/t2i/shapes_nft.yaml", ["algo.nft_beta=0.5"])
+    assert build_objective(load_config("configs/t2i/shapes_nft.yaml", ["algo.objective.kwargs.nft_beta=0.5"]).algo
+                           ).terms[0].knobs.nft_beta == 0.5
+    with pytest.raises(ValueError, match="two losses"):
+        load_config("configs/t2i/shapes_nft.yaml", ["algo.policy_loss=awm"])

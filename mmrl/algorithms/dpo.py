@@ -10,7 +10,8 @@ the one with the lowest the loser l; per noise level j
 (the reference code's form, T folded into beta; beta = algo.dpo_beta, 2000-5000 in the SD recipes). The other rows
 of the group carry no loss; a group whose rewards are all equal has no pair. The loss is put on the winner's row
 (so the trainer's aggregation, which averages over rows, sees it once per group) and the statistics on both. A pass
-must hold whole groups (as DGPO). The offline form (pairs from a preference file, Pick-a-Pic style) is not here.
+must hold whole groups (as DGPO). Offline, on pairs from a preference file (Pick-a-Pic style), the same loss trains
+on groups of the two given images (task.name=preference_pairs, tasks/preference.py).
 """
 
 from __future__ import annotations

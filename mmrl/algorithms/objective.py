@@ -173,6 +173,9 @@ def build_objective(algo) -> Objective:
 def check_knobs(algo) -> None:
     """algo.objective.kwargs must be knobs its loss declares (`fn.knobs`); ValueError naming the valid ones."""
     kwargs = algo.objective.kwargs or {}
+    if algo.objective.name and algo.policy_loss not in ("ppo_clip", algo.objective.name):
+        raise ValueError(f"algo.objective.name={algo.objective.name} and algo.policy_loss={algo.policy_loss} name "
+                         f"two losses: set one (a base config may set the other)")
     if kwargs and not algo.objective.name:
         raise ValueError("algo.objective.kwargs without algo.objective.name: name the objective they belong to")
     if not kwargs:
@@ -182,3 +185,9 @@ def check_knobs(algo) -> None:
     if unknown:
         raise ValueError(f"algo.objective.kwargs: {unknown} are not knobs of objective {algo.objective.name!r}; "
                          f"its knobs: {sorted(knobs) or 'none'}")
+    default = type(algo)()
+    twice = [k for k in kwargs if hasattr(algo, k) and getattr(algo, k) != getattr(default, k)
+             and getattr(algo, k) != kwargs[k]]
+    if twice:  # e.g. a base config's objective kwargs and an algo.<knob>=... override
+        raise ValueError(f"{', '.join(f'algo.{k}={getattr(algo, k)!r}' for k in twice)} and algo.objective.kwargs "
+                         f"{ {k: kwargs[k] for k in twice} } set the same knob twice: set it in algo.objective.kwargs")

@@ -54,6 +54,9 @@ class FlowModel:
     boundary: float | None = None                # sigma at which transformer_2 takes over (boundary_ratio)
     lockstep: bool = False                       # several processes: both experts run on every call (see _forward)
     cfg_grad: str = "full"                       # the gradient through CFG: full | cond (unconditional branch detached)
+    encode_latents: Callable | None = None       # images [N, 3, sH, sW] in [-1, 1] -> x0 latents [N, *latent_shape]
+                                                 # (VAE encode; offline data: preference pairs)
+    image_scale: int = 1                         # s: output pixels per latent cell (the VAE's spatial factor)
     guide: Callable | None = None                # (v_u, v_c, w) -> guided v; None = v_u + w (v_c - v_u) (Qwen-Image:
                                                  # its pipeline's "true CFG", renormalized to v_c's norm)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 
 import torch
@@ -24,10 +23,12 @@ from mmrl.algorithms.objective import build_objective
 from mmrl.cache import BoundedCache
 from mmrl.config import sample_chunk
 from mmrl.data import PolicyOutput, Rollout, condition_images, group_ids
-from mmrl.policy.base import (PolicyDefaults, base_model_path, load_lora_adapter, reference_kind, resolve_model_path,
+from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, resolve_model_path,
                               save_lora_adapter, upcast_trainable, write_policy_meta)
 from mmrl.models.flow_model import EXPERTS, FlowModel
 from mmrl.models.pipelines import load_flow_model
+from mmrl.policy.flow_checkpoint import (  # noqa: F401  (load_policy_checkpoint: the checkpoint loader's home is there)
+    _link_base_parts, _load_transformer_weights, load_policy_checkpoint, save_diffusers_lora)
 from mmrl.rollout.tree import run_tree, trained_steps
 from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std, strided_schedule
 
@@ -170,6 +171,8 @@ class FlowPolicy(PolicyDefaults):
         Each row's noise comes from its own seed, so a row is the same whichever process samples it."""
         texts = [ex["prompt"] for ex in examples]
         rows = torch.arange(len(texts) * group_size) if rows is None else rows
+        if "outputs" in examples[0]:  # offline data: the outputs are given (preference pairs)
+            return self._given(examples, group_size, generator, rows)
         if self.tree.split_steps:  # rows are whole trees (several processes shard by groups)
             trees = (rows[::group_size] // group_size).tolist()
             if not torch.equal(rows, torch.tensor([t * group_size + j for t in trees for j in range(group_size)],
@@ -203,6 +206,33 @@ class FlowPolicy(PolicyDefaults):
         return Rollout(group_id=group_ids(len(texts), group_size)[rows], old_log_prob=old_log_prob,
                        action_mask=torch.ones(old_log_prob.shape, dtype=torch.bool),
                        examples=[examples[i // group_size] for i in rows.tolist()], outputs=images, extras=extras)
+
+    def _given(self, examples: list[dict], group_size: int, generator: torch.Generator, rows: torch.Tensor) -> Rollout:
+        """A rollout of outputs the data gives instead of samples: each example's `outputs` (G image paths, e.g. a
+        preference pair's chosen and rejected images) resized to the model's output size and encoded to final
+        latents x0 (model.encode_latents), then the forward-process actions of §10 on them; each row's example gets
+        its `labels[j]` as "label" (the preference reward reads it). Forward-process objectives only (dpo, nft ...)."""
+        if self.objective != "forward" or self.model.encode_latents is None:
+            raise ValueError("examples with given `outputs` (offline preference pairs) train forward-process objectives "
+                             "(algo.policy_loss=dpo, nft, awm, dgpo) of an image model whose family encodes images")
+        seeds, g = self._seeds(len(examples) * group_size, generator), group_size
+        for ex in examples:
+            if len(ex["outputs"]) != g or len(ex.get("labels", [0] * g)) != g:
+                raise ValueError(f"example {ex['prompt'][:60]!r} gives {len(ex['outputs'])} outputs (and labels); "
+                                 f"train.group_size={g} must equal that count")
+        picked = rows.tolist()
+        side = self.model.latent_shape[-1] * self.model.image_scale
+        images = torch.stack([load_image(examples[i // g]["outputs"][i % g], side) for i in picked])  # [n, 3, s, s]
+        row_examples = [{**examples[i // g], "label": float(examples[i // g].get("labels", [0.0] * g)[i % g])}
+                        for i in picked]
+        x0 = self.model.encode_latents(images.to(self.device))                       # [n, *latent_shape]
+        cond = self.images(row_examples)
+        enc, pooled = self.encode([ex["prompt"] for ex in row_examples], cond)
+        extras, old_log_prob = self._forward_actions(x0, enc, pooled, [seeds[i] for i in picked], cond)
+        extras.update(enc=enc, pooled=pooled)
+        return Rollout(group_id=group_ids(len(examples), g)[rows], old_log_prob=old_log_prob,
+                       action_mask=torch.ones(old_log_prob.shape, dtype=torch.bool), examples=row_examples,
+                       outputs=images, extras=extras)
 
     def _forward_actions(self, x0: torch.Tensor, enc: torch.Tensor, pooled: torch.Tensor, seeds: list[int],
                          images: list[list] | None = None):
@@ -410,19 +440,19 @@ class FlowPolicy(PolicyDefaults):
                 _load_transformer_weights(tr, path, name)
 
 
-def save_diffusers_lora(name: str | None, adapter: dict[str, torch.Tensor], lora_config, path: str) -> None:
-    """pytorch_lora_weights.safetensors: the adapter as diffusers saves it through pipeline class `name` (the
-    family's lora_pipeline; keys under `transformer.`, rank and alpha in the file's metadata), so
-    `pipe.load_lora_weights(path)` of the base pipeline loads it as trained. None (mmrl's pixel models): not written."""
-    import diffusers
+def load_image(path: str, side: int) -> torch.Tensor:
+    """An image file as [3, side, side] in [-1, 1] (resized with bicubic resampling when its size differs)."""
+    import numpy as np
+    from PIL import Image
 
-    if name is None:
-        return
-    meta = {k: v for k, v in lora_config.to_dict().items() if k in ("r", "lora_alpha", "target_modules",
-                                                                    "init_lora_weights", "use_dora")}
-    meta["target_modules"] = sorted(meta["target_modules"])
-    getattr(diffusers, name).save_lora_weights(path, transformer_lora_layers={k: v.cpu() for k, v in adapter.items()},
-                                               transformer_lora_adapter_metadata=meta)
+    try:
+        with Image.open(path) as im:
+            image = im.convert("RGB")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"output image {path!r} does not read as an image ({e})") from None
+    if image.size != (side, side):
+        image = image.resize((side, side), Image.BICUBIC)
+    return torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1) / 127.5 - 1
 
 
 def in_chunks(fn, size: int, *tensors: torch.Tensor) -> torch.Tensor:
@@ -432,24 +462,6 @@ def in_chunks(fn, size: int, *tensors: torch.Tensor) -> torch.Tensor:
     if not size or size >= n or torch.is_grad_enabled():
         return fn(*tensors)
     return torch.cat([fn(*(t[i:i + size] for t in tensors)) for i in range(0, n, size)])
-
-
-def _load_transformer_weights(transformer: torch.nn.Module, path: str, name: str = "transformer") -> None:
-    """Copy the weights of `path/name` (written by save_pretrained, possibly sharded) into `transformer`."""
-    transformer.load_state_dict(type(transformer).from_pretrained(os.path.join(path, name)).state_dict())
-
-
-def _link_base_parts(base: str, path: str) -> None:
-    """Copy the frozen parts (text encoder, tokenizer, scheduler, index) of a pixel model next to the saved
-    transformer, so the folder loads on its own. Small for the embedded model; SD3 pipelines are not copied."""
-    import shutil
-
-    index = json.load(open(os.path.join(base, "model_index.json")))
-    if index.get("_class_name") != "MMRLPixelPipeline":
-        return
-    shutil.copy(os.path.join(base, "model_index.json"), path)
-    for part in ("text_encoder", "tokenizer", "scheduler"):
-        shutil.copytree(os.path.join(base, part), os.path.join(path, part), dirs_exist_ok=True)
 
 
 def build_flow_policy(cfg) -> FlowPolicy:
@@ -465,32 +477,3 @@ def build_flow_policy(cfg) -> FlowPolicy:
     return FlowPolicy(model, cfg.sampler, cfg.model.lora, reference_kind(cfg), path, cfg.log.progress, cfg.tree,
                       options, sample_chunk(cfg.train), cfg.model.text_cache, cfg.model.offload,
                       build_objective(cfg.algo).actions)
-
-
-def load_policy_checkpoint(path: str, device: str = "cpu") -> FlowModel:
-    """A FlowModel with a saved policy's weights applied (full folder or base + LoRA adapter); a trainer
-    checkpoint folder (checkpoints/iter-N) means its policy/."""
-    if os.path.isfile(os.path.join(path, "policy", "mmrl_policy.json")):
-        path = os.path.join(path, "policy")
-    meta_file = os.path.join(path, "mmrl_policy.json")
-    if not os.path.isfile(meta_file):
-        return load_flow_model(path, device=device)  # a plain model folder
-    meta = json.load(open(meta_file))
-    options = meta.get("model_options", {})
-    if not meta["lora"] and os.path.isfile(os.path.join(path, "model_index.json")):
-        return load_flow_model(path, device=device)
-    from peft import LoraConfig
-
-    model = load_flow_model(base_model_path(meta, path), device=device, **options)
-    for name in EXPERTS:
-        tr = getattr(model, name, None)
-        if tr is None:
-            continue
-        if not meta["lora"]:
-            _load_transformer_weights(tr, path, name)
-            continue
-        where = path if name == "transformer" else os.path.join(path, name)
-        tr.add_adapter(LoraConfig.from_pretrained(where))
-        load_lora_adapter(tr, where)
-        tr.eval()
-    return model

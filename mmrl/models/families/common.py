@@ -38,6 +38,17 @@ def vae_decoder(vae):
     return decode
 
 
+def vae_encoder(vae):
+    """AutoencoderKL: images [N, 3, fH, fW] in [-1, 1] -> latents [N, 16, H, W], the posterior's mode shifted and
+    scaled as the pipelines do for image-to-image."""
+    @torch.no_grad()
+    def encode(images):
+        z = vae.encode(images.to(vae.device, vae.dtype)).latent_dist.mode()
+        return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
+
+    return encode
+
+
 def wan_vae_decoder(vae):
     """Wan / Qwen-Image VAEs (per-channel latents_mean / latents_std): [N, 16, F', H, W] -> [N, 3, F, fH, fW]."""
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)

@@ -64,7 +64,8 @@ def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
     call = (wan_coord_call if index.get("coordinates") else wan_call) if video else sd3_call
     return FlowModel(transformer, make_clip_encoder(tokenizer, text_encoder), lambda x: x.clamp(-1, 1), shape,
                      (text_encoder,), family=VIDEO if video else FAMILY, prediction=index.get("prediction", "velocity"), call=call,
-                     lora_targets=WAN_LORA_TARGETS if video else SD3_LORA_TARGETS)
+                     lora_targets=WAN_LORA_TARGETS if video else SD3_LORA_TARGETS,
+                     encode_latents=None if video else (lambda images: images.float()))
 
 
 def plan_inputs(config: dict, folder: str | None, options: LoadOptions) -> PlanInputs:

@@ -11,7 +11,7 @@ import torch
 
 from mmrl.models.architectures import VAE_16
 from mmrl.models.families import Family, LoadOptions, PlanInputs
-from mmrl.models.families.common import TEXT_LEN, from_pretrained, padded, sigma_schedule, vae_decoder
+from mmrl.models.families.common import TEXT_LEN, from_pretrained, padded, sigma_schedule, vae_decoder, vae_encoder
 from mmrl.models.flow_model import FlowModel
 
 LORA_TARGETS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0")
@@ -40,7 +40,7 @@ def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
     size = options.sample_size or 2 * (1024 // (pipe.vae_scale_factor * 2))
     return FlowModel(tr, encode, vae_decoder(pipe.vae), (tr.config.in_channels, size, size),
                      (pipe.text_encoder, pipe.vae), family=FAMILY, call=z_image_call, lora_targets=LORA_TARGETS,
-                     schedule=linspace_schedule)
+                     schedule=linspace_schedule, encode_latents=vae_encoder(pipe.vae), image_scale=pipe.vae_scale_factor)
 
 
 def plan_inputs(config: dict, folder: str | None, options: LoadOptions) -> PlanInputs:
