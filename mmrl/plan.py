@@ -198,7 +198,7 @@ def _frozen_parts(cfg, arch: dict | None) -> tuple[list[torch.nn.Module], torch.
     dtype = _DTYPES[cfg.model.dtype]
     with torch.device("meta"):
         if arch is not None:
-            encoders, (vae_cls, vae_cfg) = arch["family"].frozen_parts
+            encoders, (vae_cls, vae_cfg) = arch.get("frozen_parts") or arch["family"].frozen_parts
             text = [getattr(transformers, c)(getattr(transformers, k)(**conf)) for c, k, conf in encoders]
             vae = getattr(diffusers, vae_cls).from_config(vae_cfg)
         else:
@@ -208,7 +208,7 @@ def _frozen_parts(cfg, arch: dict | None) -> tuple[list[torch.nn.Module], torch.
                 conf = transformers.AutoConfig.from_pretrained(os.path.join(path, "text_encoder"))
                 return [transformers.CLIPTextModelWithProjection(conf)], None
             text = [getattr(transformers, pipe[n][1])(transformers.AutoConfig.from_pretrained(os.path.join(path, n)))
-                    for n in sorted(pipe) if n.startswith("text_encoder") and (pipe[n] or [None])[0]]
+                    for n in sorted(pipe) if (n.startswith("text_encoder") or n == "image_encoder") and (pipe[n] or [None])[0]]
             vae = getattr(diffusers, pipe["vae"][1]).from_config(json.load(open(os.path.join(path, "vae", "config.json"))))
     return [m.to(dtype) for m in text], vae.to(dtype)
 

@@ -182,3 +182,34 @@ def test_wan22_experts_in_lockstep_run_both_on_every_call(tmp_path):
     together.square().mean().backward()
     idle = [p.grad for n, p in pol.model.transformer_2.named_parameters() if p.requires_grad]
     assert idle and all(g is not None and g.abs().max() == 0 for g in idle)
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 4.0])
+def test_wan_sampler_reproduces_the_pipeline(pipelines, cfg_scale):
+    """Wan T2V: FlowModel.generate (UMT5 at the pipeline's 512 tokens, shift 3, CFG with the empty negative prompt)
+    gives WanPipeline's video, 4 steps, same seed."""
+    from diffusers import WanPipeline
+
+    from mmrl.models.pipelines import load_flow_model
+
+    model = load_flow_model(pipelines["wan"], sample_size=4, num_frames=5)
+    ours = (model.generate(["a red circle moving left"], [0], 4, cfg_scale, 3.0) + 1) / 2      # [1, 3, 5, 32, 32]
+    theirs = WanPipeline.from_pretrained(pipelines["wan"])(
+        "a red circle moving left", negative_prompt="", height=32, width=32, num_frames=5, num_inference_steps=4,
+        guidance_scale=cfg_scale, output_type="pt", generator=torch.Generator().manual_seed(0)).frames
+    torch.testing.assert_close(ours, theirs.permute(0, 2, 1, 3, 4), atol=1e-5, rtol=0)
+
+
+def test_flux_sampler_reproduces_the_pipeline(pipelines):
+    """FLUX.1-dev: FlowModel.generate (packed 2x2 tokens, the guidance embedding at 3.5, the resolution-dependent
+    shift) gives FluxPipeline's image, 4 steps, same seed."""
+    from diffusers import FluxPipeline
+
+    from mmrl.models.pipelines import load_flow_model
+
+    model = load_flow_model(pipelines["flux"], sample_size=8, guidance=3.5)
+    ours = (model.generate(["a red circle"], [0], 4, 1.0) + 1) / 2                              # [1, 3, 16, 16]
+    theirs = FluxPipeline.from_pretrained(pipelines["flux"])(
+        "a red circle", height=16, width=16, num_inference_steps=4, guidance_scale=3.5, max_sequence_length=32,
+        output_type="pt", generator=torch.Generator().manual_seed(0)).images
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)

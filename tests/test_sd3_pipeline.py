@@ -135,3 +135,19 @@ def test_bf16_base_trains_fp32_weights(sd3_dir, tmp_path):
     assert full._ref_copy is None  # algo.kl_coef = 0: no reference copy
     with_kl = POLICIES["flow"](load_config(None, [f"model.path={sd3_dir}", "algo.kl_coef=0.01"]))
     assert with_kl._ref_copy is not None
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 4.5])
+def test_sd3_sampler_reproduces_the_pipeline(sd3_dir, cfg_scale):
+    """SD3: FlowModel.generate (CLIP-L + CLIP-G + T5 tokens, shift 3, CFG with the empty negative prompt) gives
+    StableDiffusion3Pipeline's image, 4 steps, same seed."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from mmrl.models.pipelines import load_flow_model
+
+    model = load_flow_model(sd3_dir, sample_size=8)
+    ours = (model.generate(["a red circle"], [0], 4, cfg_scale, 3.0) + 1) / 2                   # [1, 3, 16, 16]
+    theirs = StableDiffusion3Pipeline.from_pretrained(sd3_dir)(
+        "a red circle", negative_prompt="", height=16, width=16, num_inference_steps=4, guidance_scale=cfg_scale,
+        output_type="pt", generator=torch.Generator().manual_seed(0)).images
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)

@@ -24,7 +24,7 @@ def wan_call(transformer, x, sigma, enc, pooled):
 
 def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
     pipe = from_pretrained(folder, index, options)
-    length = {} if options.text_max_length is None else {"max_sequence_length": options.text_max_length}
+    length = {"max_sequence_length": options.text_max_length or 512}  # WanPipeline's (encode_prompt's own is 226)
 
     @torch.no_grad()
     def encode(texts):
