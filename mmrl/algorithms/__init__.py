@@ -1,6 +1,9 @@
-"""Pure algorithm functions, one registry per axis."""
+"""Pure algorithm functions, one registry per axis. Every module of this package is imported here, so a module that
+registers itself (e.g. a policy loss: `POLICY_LOSSES.register("dgpo")(dgpo)` in dgpo.py) needs no other line."""
 
-from mmrl.algorithms import dgpo, dpo, flow_dppo  # noqa: F401  (register POLICY_LOSSES dgpo, dpo, flow_dppo)
+import importlib
+import pkgutil
+
 from mmrl.algorithms.advantages import ADVANTAGES, CREDIT_ASSIGNMENTS, REWARD_AGGREGATIONS
 from mmrl.algorithms.kl import KL_ESTIMATORS
 from mmrl.algorithms.losses import LOSS_AGG, POLICY_LOSSES, LossContext
@@ -11,3 +14,6 @@ from mmrl.algorithms.weighting import WEIGHTINGS
 
 __all__ = ["ADVANTAGES", "CREDIT_ASSIGNMENTS", "KL_ESTIMATORS", "LOSS_AGG", "LossContext", "OFFPOLICY", "POLICY_LOSSES",
            "RATIO_TRANSFORMS", "REWARD_AGGREGATIONS", "REWARD_SHAPINGS", "WEIGHTINGS"]
+
+for _module in pkgutil.iter_modules(__path__):  # dgpo.py, dpo.py, flow_dppo.py ... register their entries
+    importlib.import_module(f"{__name__}.{_module.name}")
