@@ -195,6 +195,8 @@ def _frozen_parts(cfg, arch: dict | None) -> tuple[list[torch.nn.Module], torch.
     import diffusers
     import transformers
 
+    from mmrl.models.families import family_for
+
     dtype = _DTYPES[cfg.model.dtype]
     with torch.device("meta"):
         if arch is not None:
@@ -204,7 +206,7 @@ def _frozen_parts(cfg, arch: dict | None) -> tuple[list[torch.nn.Module], torch.
         else:
             path = cfg.model.path
             pipe = json.load(open(os.path.join(path, "model_index.json")))
-            if pipe["_class_name"] == "MMRLPixelPipeline":  # pixel space: a CLIP text encoder kept in fp32
+            if not family_for(pipe["_class_name"], cfg.model.family).diffusers:  # mmrl's pixel models: CLIP in fp32
                 conf = transformers.AutoConfig.from_pretrained(os.path.join(path, "text_encoder"))
                 return [transformers.CLIPTextModelWithProjection(conf)], None
             text = [getattr(transformers, pipe[n][1])(transformers.AutoConfig.from_pretrained(os.path.join(path, n)))

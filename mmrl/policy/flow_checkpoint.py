@@ -34,12 +34,15 @@ def _load_transformer_weights(transformer: torch.nn.Module, path: str, name: str
 
 
 def _link_base_parts(base: str, path: str) -> None:
-    """Copy the frozen parts (text encoder, tokenizer, scheduler, index) of a pixel model next to the saved
-    transformer, so the folder loads on its own. Small for the embedded model; SD3 pipelines are not copied."""
+    """Copy the frozen parts (text encoder, tokenizer, scheduler, index) of a pixel model (a family whose folders are
+    not diffusers pipelines) next to the saved transformer, so the folder loads on its own. Small for the embedded
+    model; diffusers pipelines are not copied."""
     import shutil
 
+    from mmrl.models.families import family_for
+
     index = json.load(open(os.path.join(base, "model_index.json")))
-    if index.get("_class_name") != "MMRLPixelPipeline":
+    if family_for(index.get("_class_name")).diffusers:
         return
     shutil.copy(os.path.join(base, "model_index.json"), path)
     for part in ("text_encoder", "tokenizer", "scheduler"):
