@@ -5,9 +5,10 @@
     python scripts/gpu_check.py --device cpu     # the same iterations on CPU (no CUDA needed; what CI runs)
 
 1. `pytest -m gpu tests/test_device.py`: the trainer's real step with the policy on CUDA, equal to the CPU step.
-2. Two training iterations of every shipped GPU config (SD3.5 Flow-GRPO and MixGRPO-Flash, FLUX.1, Wan2.x,
-   Qwen-Image DiffusionNFT, Z-Image AWM, Qwen2.5-VL grounding, SmolLM2 arithmetic) on tiny random-init pipelines of
-   the same real classes, in bf16 with gradient checkpointing and micro-batches, the second timed; peak memory is torch.cuda.max_memory_allocated (on CPU: the resident peak).
+2. Two training iterations of every shipped GPU config (SD3.5 Flow-GRPO and MixGRPO-Flash, FLUX.1, FLUX.2-dev and
+   klein, FLUX.1 Kontext and Qwen-Image-Edit editing, Wan2.x T2V and I2V, Qwen-Image DiffusionNFT, Z-Image AWM,
+   Qwen2.5-VL grounding, SmolLM2 arithmetic) on tiny random-init pipelines of the same real classes (each model
+   family's tiny builder), in bf16 with gradient checkpointing and micro-batches, the second timed; peak memory is torch.cuda.max_memory_allocated (on CPU: the resident peak).
 Exits 2 when CUDA is asked for and absent. The last line is one JSON object.
 """
 
@@ -23,34 +24,59 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# config -> (tiny pipeline builder, overrides that point it at the tiny model and world)
+# config -> the tiny model (a family's name, or a token model) whose overrides point it at the tiny model and world
 GPU_CONFIGS = {
     "t2i/sd35_geneval_lora": "sd3",
     "t2i/flux_lora": "flux",
     "t2i/sd35_mixgrpo_flash_lora": "sd3_flash",
     "t2i/qwen_image_nft_lora": "qwen_image",
     "t2i/z_image_awm_lora": "z_image",
+    "t2i/flux2_klein_lora": "flux2_klein",
+    "t2i/flux2_dev_lora": "flux2",
+    "t2i/flux_kontext_edit_lora": "flux_kontext",
+    "t2i/qwen_image_edit_lora": "qwen_image_edit",
     "t2v/wan_lora": "wan",
+    "t2v/wan22_i2v_a14b_lora": "wan_i2v",
     "grounding/charades_qwen25vl_lora": "qwen_vl",
     "text/smollm2_arithmetic": "causal_lm",
 }
 
 
 def build_models(tmp: str) -> dict[str, list[str]]:
-    """Tiny stand-ins of the real checkpoints, and the overrides each config needs to run on them."""
+    """Tiny stand-ins of the real checkpoints (every model family's tiny builder), and the overrides each config needs
+    to run on them: image-conditioned families read a prompt file whose rows carry an image."""
     import torch
 
+    from mmrl.models.families import families
     from mmrl.models.qwen_vl import build_causal_lm, build_model, build_processor, build_tokenizer
-    from mmrl.models.tiny_pipelines import build_tiny
+    from tasks import shapes
     from tasks.grounding_world import ANSWER, PROMPT, build_world
 
-    paths = {k: os.path.join(tmp, k) for k in ("sd3", "flux", "wan", "qwen_image", "z_image", "qwen_vl", "causal_lm",
-                                               "world")}
-    build_tiny("sd3").save_pretrained(paths["sd3"])
-    build_tiny("flux").save_pretrained(paths["flux"])
-    build_tiny("wan").save_pretrained(paths["wan"])
-    build_tiny("qwen_image").save_pretrained(paths["qwen_image"])
-    build_tiny("z_image").save_pretrained(paths["z_image"])
+    small = ["train.prompts_per_iter=2", "train.group_size=4", "train.minibatches=2", "train.grad_accum=1",
+             "task.eval_prompts=2", "model.lora.rank=4", "model.lora.alpha=8"]
+    flow = [*small, "model.sample_size=8", "sampler.num_steps=4", "sampler.eval_steps=2"]
+    edits = os.path.join(tmp, "edits.jsonl")  # the same prompts with a conditioning image each, for edits and I2V
+    shapes.render(shapes.parse("a red circle"), 64).save(os.path.join(tmp, "image.png"))
+    with open(edits, "w") as f:
+        for text in ("a red circle", "a blue square", "two green triangles", "a yellow circle"):
+            f.write(json.dumps({"prompt": text, "image": "image.png"}) + "\n")
+    out = {}
+    for family in families():
+        if family.tiny is None:
+            continue
+        path = os.path.join(tmp, family.name)
+        family.tiny(0).save_pretrained(path)
+        over = [f"model.path={path}", *flow]
+        if family.transformer.startswith("Wan"):  # video: 5 frames of 4 x 4 latents
+            over += ["model.sample_size=4", "model.num_frames=5"]
+        if family.condition_images:
+            over += ["task.name=prompt_file", f"task.prompt_file={edits}", "task.kwargs={}", "reward.name=shapes",
+                     "reward.kwargs={}"] if not family.transformer.startswith("Wan") else \
+                ["task.name=prompt_file", f"task.prompt_file={edits}", "task.kwargs={}",
+                 "reward.name=temporal_consistency", "reward.kwargs={}"]
+        out[family.name] = over
+    out["sd3_flash"] = [*out["sd3"], "sampler.sde_window_size=2"]
+    paths = {k: os.path.join(tmp, k) for k in ("qwen_vl", "causal_lm", "world")}
     torch.manual_seed(0)
     tok = build_tokenizer([PROMPT, ANSWER, "red green blue yellow circle square triangle appears shown visible"])
     build_model("qwen2_5_vl", tok, "tiny").save_pretrained(paths["qwen_vl"])
@@ -59,22 +85,12 @@ def build_models(tmp: str) -> dict[str, list[str]]:
     build_causal_lm(lm_tok).save_pretrained(paths["causal_lm"])
     lm_tok.save_pretrained(paths["causal_lm"])
     build_world(paths["world"], {"train": 4, "test": 2})
-    small = ["train.prompts_per_iter=2", "train.group_size=4", "train.minibatches=2", "train.grad_accum=1",
-             "task.eval_prompts=2", "model.lora.rank=4", "model.lora.alpha=8"]
-    flow = [*small, "model.sample_size=8", "sampler.num_steps=4", "sampler.eval_steps=2"]
-    return {
-        "sd3": [f"model.path={paths['sd3']}", *flow],
-        "flux": [f"model.path={paths['flux']}", *flow],
-        "wan": [f"model.path={paths['wan']}", *flow, "model.sample_size=4", "model.num_frames=5"],
-        "sd3_flash": [f"model.path={paths['sd3']}", *flow, "sampler.sde_window_size=2"],
-        "qwen_image": [f"model.path={paths['qwen_image']}", *flow],
-        "z_image": [f"model.path={paths['z_image']}", *flow],
-        "qwen_vl": [f"model.path={paths['qwen_vl']}", *small, "task.name=grounding_world", "task.kwargs={}",
-                    f"task.kwargs.root={paths['world']}", "task.kwargs.train_videos=4", "task.kwargs.test_videos=2",
-                    "sampler.max_new_tokens=8", "video.min_pixels=3136", "video.max_pixels=3136",
-                    "video.total_pixels=null"],
-        "causal_lm": [f"model.path={paths['causal_lm']}", *small, "sampler.max_new_tokens=8"],
-    }
+    out["qwen_vl"] = [f"model.path={paths['qwen_vl']}", *small, "task.name=grounding_world", "task.kwargs={}",
+                      f"task.kwargs.root={paths['world']}", "task.kwargs.train_videos=4", "task.kwargs.test_videos=2",
+                      "sampler.max_new_tokens=8", "video.min_pixels=3136", "video.max_pixels=3136",
+                      "video.total_pixels=null"]
+    out["causal_lm"] = [f"model.path={paths['causal_lm']}", *small, "sampler.max_new_tokens=8"]
+    return out
 
 
 def one_iteration(config: str, overrides: list[str], device: str, out_dir: str) -> dict:
