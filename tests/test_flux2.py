@@ -15,6 +15,7 @@ from mmrl.models.tiny_pipelines import build_tiny
 from mmrl.plan import plan
 from mmrl.policy import POLICIES
 from mmrl.testing.contract import check_policy
+from mmrl.testing.family import check_lora_in_diffusers
 
 PROMPTS = [{"prompt": "a red circle"}, {"prompt": "two green triangles left of a dog"}]
 SIZE = 16  # VAE latent side (x2 tiny VAE: 32 px images); x [16, 8, 8]
@@ -124,24 +125,11 @@ def test_policy_contract_with_lora(paths, name):
 
 @pytest.mark.parametrize("name", ["dev", "klein"])
 def test_lora_loads_in_diffusers(paths, name, tmp_path):
-    pol = policy(paths[name], 1.0)
-    with torch.no_grad():  # a trained adapter: B is no longer zero
-        for p in pol.trainable_parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    pol.save_pretrained(str(tmp_path / "policy"))
-    pipe = pipeline(paths[name], name)
-    pipe.load_lora_weights(str(tmp_path / "policy"))
     base = load_flow_model(paths[name], sample_size=SIZE, guidance=4.0)
     x = torch.randn(2, 16, SIZE // 2, SIZE // 2, generator=torch.Generator().manual_seed(1))
-    sigma = torch.tensor([0.7, 0.3])
     enc, pooled = base.encode_prompts(["a cat", "a red car"])
-    with torch.no_grad():
-        untrained = base.velocity(x, sigma, enc, pooled)
-        want = pol.model.velocity(x, sigma, enc, pooled)
-        base.transformer = pipe.transformer
-        got = base.velocity(x, sigma, enc, pooled)
-    assert (want - untrained).abs().max() > 1e-3  # the adapter matters
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    check_lora_in_diffusers(policy(paths[name], 1.0), pipeline(paths[name], name), base, x, torch.tensor([0.7, 0.3]),
+                            enc, pooled, str(tmp_path / "policy"))
 
 
 # published sizes: FLUX.2-dev "32 B" (its diffusers config instantiates 32.22 B) with Mistral Small 3.2 24 B;

@@ -15,6 +15,7 @@ from mmrl.models.pipelines import load_flow_model
 from mmrl.models.tiny_pipelines import build_tiny
 from mmrl.policy import POLICIES
 from mmrl.testing.contract import check_policy
+from mmrl.testing.family import check_lora_in_diffusers
 
 RECIPE = "configs/t2i/flux_kontext_edit_lora.yaml"
 SIDE = 16  # output pixels (8 x 8 latents, the tiny VAE's x2); the conditioning images are saved at this size
@@ -145,23 +146,11 @@ def test_lora_loads_in_diffusers(kontext, tmp_path):
     from diffusers import FluxKontextPipeline
 
     path, images = kontext
-    pol = policy(path)
-    with torch.no_grad():  # a trained adapter: B is no longer zero
-        for p in pol.trainable_parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    pol.save_pretrained(str(tmp_path / "policy"))
-    pipe = FluxKontextPipeline.from_pretrained(path)
-    pipe.load_lora_weights(str(tmp_path / "policy"))
     base = load_flow_model(path, sample_size=8)
     x, sigma = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0.7, 0.3])
     enc, pooled = base.encode_prompts(["a cat", "a red car"], [[rgb(images[0])], [rgb(images[1])]])
-    with torch.no_grad():
-        untrained = base.velocity(x, sigma, enc, pooled)
-        want = pol.model.velocity(x, sigma, enc, pooled)
-        base.transformer = pipe.transformer
-        got = base.velocity(x, sigma, enc, pooled)
-    assert (want - untrained).abs().max() > 1e-3  # the adapter matters
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    check_lora_in_diffusers(policy(path), FluxKontextPipeline.from_pretrained(path), base, x, sigma, enc, pooled,
+                            str(tmp_path / "policy"))
 
 
 def test_plan_at_real_size_and_the_recipe():

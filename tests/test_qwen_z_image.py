@@ -15,6 +15,7 @@ from mmrl.models.pipelines import load_flow_model
 from mmrl.models.tiny_pipelines import build_tiny
 from mmrl.policy import POLICIES
 from mmrl.testing.contract import check_policy
+from mmrl.testing.family import check_lora_in_diffusers
 
 PROMPTS = [{"prompt": "a red circle"}, {"prompt": "two green triangles left of a dog"}]
 
@@ -73,23 +74,11 @@ def test_lora_loads_in_diffusers(pipe_dir, tmp_path):
     import diffusers
 
     name, path = pipe_dir
-    pol = policy(name, path)
-    with torch.no_grad():  # a trained adapter: B is no longer zero
-        for p in pol.trainable_parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    pol.save_pretrained(str(tmp_path / "policy"))
-    pipe = getattr(diffusers, PIPES[name][1]).from_pretrained(path)
-    pipe.load_lora_weights(str(tmp_path / "policy"))
     base = load_flow_model(path, sample_size=8)
     x, sigma = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0.7, 0.3])
     enc, mask = base.encode_prompts(["a cat", "a red car"])
-    with torch.no_grad():
-        untrained = base.velocity(x, sigma, enc, mask)
-        want = pol.model.velocity(x, sigma, enc, mask)
-        base.transformer = pipe.transformer
-        got = base.velocity(x, sigma, enc, mask)
-    assert (want - untrained).abs().max() > 1e-3  # the adapter matters
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    check_lora_in_diffusers(policy(name, path), getattr(diffusers, PIPES[name][1]).from_pretrained(path), base, x,
+                            sigma, enc, mask, str(tmp_path / "policy"))
 
 
 def test_qwen_image_true_cfg_reproduces_the_pipeline(tmp_path):
