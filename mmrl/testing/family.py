@@ -17,11 +17,15 @@ def check_lora_in_diffusers(policy, pipe, base, x: torch.Tensor, sigma: torch.Te
             p.add_(torch.randn_like(p) * 0.05)
     policy.save_pretrained(folder)
     pipe.load_lora_weights(folder)
-    with torch.no_grad():
-        untrained = base.velocity(x, sigma, enc, pooled)
-        want = policy.model.velocity(x, sigma, enc, pooled)
-        base.transformer = pipe.transformer
-        got = base.velocity(x, sigma, enc, pooled)
+    own = base.transformer
+    try:
+        with torch.no_grad():
+            untrained = base.velocity(x, sigma, enc, pooled)
+            want = policy.model.velocity(x, sigma, enc, pooled)
+            base.transformer = pipe.transformer
+            got = base.velocity(x, sigma, enc, pooled)
+    finally:
+        base.transformer = own  # `base` is left as it came
     assert (want - untrained).abs().max() > 1e-3, "the adapter does not change the velocity"
     diff = float((got - want).abs().max())
     assert diff <= tol + tol * float(want.abs().max()), f"diffusers' velocity differs from mmrl's by {diff:.3g}"
