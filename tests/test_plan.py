@@ -19,8 +19,8 @@ PUBLISHED = {"sd35-medium": ("configs/t2i/sd35_geneval_lora.yaml", 2.24e9),
              "wan21-14b": ("configs/t2v/wan_lora.yaml", 14.29e9),
              "wan22-a14b": ("configs/t2v/wan22_a14b_lora.yaml", 2 * 14.29e9),  # two experts held in memory
              "qwen25-vl-7b": ("configs/grounding/charades_qwen25vl_lora.yaml", 8.29e9),
-             # the model card's "20 B MMDiT"; its diffusers config instantiates 20.62 B
-             "qwen-image": ("configs/t2i/qwen_image_nft_lora.yaml", 20.62e9),
+             # the model card's "20 B MMDiT"; its diffusers config instantiates 20.43 B
+             "qwen-image": ("configs/t2i/qwen_image_nft_lora.yaml", 20.43e9),
              "z-image-turbo": ("configs/t2i/z_image_awm_lora.yaml", 6.19e9)}  # the model card's "6 B"
 
 

@@ -104,7 +104,8 @@ def tiny(seed: int = 0):
 FAMILY = Family(
     name="qwen_image", pipelines=("QwenImagePipeline",), transformer="QwenImageTransformer2DModel", load=load,
     lora_targets=LORA_TARGETS, plan_inputs=plan_inputs, lora_pipeline="QwenImagePipeline", tiny=tiny,
-    # Qwen/Qwen-Image, transformer/config.json (20.6 B; the diffusers defaults of QwenImageTransformer2DModel)
+    # Qwen/Qwen-Image, transformer/config.json (the model card's "20 B"; these diffusers defaults of
+    # QwenImageTransformer2DModel instantiate 20.43 B)
     architectures={"qwen-image": {"config": dict(
         patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
         joint_attention_dim=3584, axes_dims_rope=[16, 56, 56])}},
