@@ -80,6 +80,22 @@ def grounding_metrics(ious: list[float], thresholds=THRESHOLDS) -> dict:
     return out
 
 
+_TOL = 1e-9  # 3 / 4 computed as 0.74999... is still 0.75
+
+
+def coarse_bit(iou: float) -> float:
+    """1 if iou >= 0.5 (R1@0.5's success), else 0."""
+    return float(iou >= 0.5 - _TOL)
+
+
+def coarse_bucket(iou: float) -> float:
+    """iou floored to the nearest of 0, 0.25, 0.5, 0.75, 1."""
+    return min(1.0, math.floor(4 * iou + 4 * _TOL) / 4)
+
+
+COARSE = {None: None, "bit": coarse_bit, "bucket": coarse_bucket}
+
+
 class GroundingReward:
     """Reward callable `(completions: list[str], examples) -> dict[str, Tensor[N]]`.
 
@@ -89,16 +105,22 @@ class GroundingReward:
 reaches hit_threshold (an R1@m-shaped bonus that pays for tight windows, not hedged wide ones). Components are returned raw
     ("iou", "iou_v2", "format", "parsed") so each is logged separately, and the R1 indicators
     ("r1@0.3", ...) so an evaluation averages straight into R1@m.
+
+    coarse (the reward-only regime, docs/results.md): the learner's accuracy term is a coarsened IoU, "bit"
+    (1 if the accuracy >= 0.5, else 0) or "bucket" (floored to 0, 0.25, 0.5, 0.75, 1); the coarse value is also
+    returned as "coarse", and the raw "iou" / "iou_v2" / R1 components stay logged for analysis only.
     """
 
     def __init__(self, accuracy: str = "iou", iou_weight: float = 1.0, format_weight: float = 0.1,
-                 hit_weight: float = 0.0, hit_threshold: float = 0.7):
+                 hit_weight: float = 0.0, hit_threshold: float = 0.7, coarse: str | None = None):
         if accuracy not in ("iou", "iou_v2"):
             raise ValueError(f"accuracy must be 'iou' or 'iou_v2', got {accuracy!r}")
+        if coarse not in COARSE:
+            raise ValueError(f"coarse must be one of {[k for k in COARSE if k]} or None (the raw IoU), got {coarse!r}")
         if not 0.0 < hit_threshold <= 1.0:
             raise ValueError(f"hit_threshold must be in (0, 1], got {hit_threshold}")
         self.accuracy, self.iou_weight, self.format_weight = accuracy, iou_weight, format_weight
-        self.hit_weight, self.hit_threshold = hit_weight, hit_threshold
+        self.hit_weight, self.hit_threshold, self.coarse = hit_weight, hit_threshold, coarse
 
     def __call__(self, completions, examples) -> dict[str, torch.Tensor]:
         rows = {k: [] for k in ("iou", "iou_v2", "format", "parsed", *(f"r1@{m}" for m in THRESHOLDS))}
@@ -114,7 +136,10 @@ reaches hit_threshold (an R1@m-shaped bonus that pays for tight windows, not hed
             for m in THRESHOLDS:
                 rows[f"r1@{m}"].append(float(iou >= m))
         out = {k: torch.tensor(v, dtype=torch.float32) for k, v in rows.items()}
-        out["overall"] = self.iou_weight * out[self.accuracy] + self.format_weight * out["format"]
+        accuracy = out[self.accuracy]
+        if self.coarse:
+            out["coarse"] = accuracy = torch.tensor([COARSE[self.coarse](float(a)) for a in rows[self.accuracy]])
+        out["overall"] = self.iou_weight * accuracy + self.format_weight * out["format"]
         if self.hit_weight:
             out["overall"] += self.hit_weight * (out["iou"] >= self.hit_threshold).float()
         return out
