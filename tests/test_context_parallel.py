@@ -89,8 +89,12 @@ def test_ring_attention_does_not_run_on_cpu_in_diffusers(tmp_path):
 
 # ------------------------------------------------------------------------------------- through the trainer
 MATRIX = os.path.join(ROOT, "tests/workers/dist_matrix.py")
+# 226 UMT5 tokens (not the pipeline's 512, most of them zero padding): measured at 512, the plain DDP cp2 run ends
+# 1.5e-5 from one process after 2 iterations, at 226 6e-8; likely AdamW turning the cp split's rounding of the
+# near-zero gradients of parameters that only see padding into lr-sized steps. What this test checks, the cp split
+# of the video tokens, is the same at either length.
 WAN_TASK = ["task.name=motion", "reward.name=temporal_consistency", "model.sample_size=4", "model.num_frames=5",
-            "sampler.shift=3.0", "task.eval_prompts=5"]
+            "sampler.shift=3.0", "task.eval_prompts=5", "model.text_max_length=226"]
 
 
 @pytest.fixture(scope="module")
