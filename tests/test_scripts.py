@@ -134,7 +134,12 @@ def test_gpu_check_runs_every_gpu_config_on_cpu():
     r = run("scripts/gpu_check.py", "--device", "cpu", "--quick")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert res["ok"] and len(res["configs"]) == 8
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        from gpu_check import GPU_CONFIGS
+    finally:
+        sys.path.pop(0)
+    assert res["ok"] and sorted(res["configs"]) == sorted(GPU_CONFIGS) and len(GPU_CONFIGS) == 13
     assert all(c["optimizer_steps"] == 2 and c["params_dtypes"] == ["torch.float32"] for c in res["configs"].values())
     if not res["cuda_available"]:
         assert run("scripts/gpu_check.py", "--quick").returncode == 2
