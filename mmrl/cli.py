@@ -25,8 +25,6 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError, ImportE
 
 
 def parser() -> argparse.ArgumentParser:
-    from mmrl.models.families import all_architectures
-
     p = argparse.ArgumentParser(prog="mmrl", description="Group-relative RL for generators and (video) LLMs.")
     p.add_argument("--version", action="version", version=f"mmrl {version()}")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error (also MMRL_DEBUG=1)")
@@ -66,9 +64,10 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="parameters, memory and FLOPs of a config at real size (meta device, no weights)")
     pl.add_argument("config")
     pl.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.micro_batch=4")
-    archs = sorted(all_architectures())
-    pl.add_argument("--arch", choices=archs, metavar="ARCH",
-                    help="a published architecture instead of model.path's config: " + ", ".join(archs))
+    pl.add_argument("--arch", metavar="ARCH",
+                    help="a published architecture instead of model.path's config (each model family's, e.g. "
+                         "sd35-medium, flux1-dev, flux2-dev, wan22-a14b, qwen-image, z-image-turbo, qwen25-vl-7b; an "
+                         "unknown name lists them all)")
     pl.add_argument("--prompt-tokens", type=int, default=512, help="token policies: prompt length with media tokens")
     pl.add_argument("--world", type=int, default=1, help="data-parallel processes (each samples whole groups)")
     pl.add_argument("--cp", type=int, default=None, help="context-parallel ranks splitting one video's tokens "
