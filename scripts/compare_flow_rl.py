@@ -4,16 +4,30 @@ time budget and a held-out evaluation halfway and at the end (`log.eval_every_mi
 
     python scripts/compare_flow_rl.py --minutes 16 --seeds 0 1 2           # grpo, nft, awm, flash; 504 prompts
     python scripts/compare_flow_rl.py --methods grpo flash_random awm_ema_kl  # random window; AWM + KL to its EMA
-    python scripts/compare_flow_rl.py --quick                              # 1 minute, 1 seed, 2 methods, 24 prompts
+    python scripts/compare_flow_rl.py --quick              # 1 minute, 1 seed, grpo, nft and control, 24 prompts
+
+The `control` arm is continued pretraining of the same base for the same minutes, launched with the seed's methods
+(`scripts/pretrain_world.py --world shapes --init tasks/assets/shapes-base --threads 1`, the recipe that made the
+base: lr 1e-3, batch 64, EMA 0.999, 500 warm-up steps, the lr cooled down linearly to 0 over the last 20 % of the
+minutes). At the methods' evaluation minutes it saves (`--keep-saves` keeps every save) and evaluates itself on the
+same held-out prompts (so it pays the same evaluation time); once every seed's runs are over, each save is scored
+with exactly the methods' metric: the folder loaded and evaluated by the trainer's code (seed 10000, 16 ODE steps).
+
+    python scripts/compare_flow_rl.py --methods nft grpo awm control --seeds 0 1 2 --minutes 16 --eval-every-min 4
 
 Prints a table of held-out strict accuracy (mean over seeds, and per seed) at half and full time, the base's
-accuracy, and the gains; the last line is one JSON object. Gains are over the base at the trainer's eval seed.
+accuracy, and the gains; with a control, the control's row and the best method (highest mean at full time) minus
+the control, per seed and in the mean with its standard error over seeds; with evaluations more often than at half
+time, every run's curve. The last line is one JSON object. Gains are over the base at the trainer's eval seed.
 """
 
 import argparse
+import glob
 import json
+import math
 import os
 import statistics
+import shutil
 import subprocess
 import sys
 
@@ -24,11 +38,14 @@ METHODS = {"grpo": ("configs/t2i/shapes_grpo.yaml", []), "nft": ("configs/t2i/sh
            "dgpo": ("configs/t2i/shapes_dgpo.yaml", []), "flow_dppo": ("configs/t2i/shapes_flow_dppo.yaml", []),
            "flash_random": ("configs/t2i/shapes_mixgrpo_flash.yaml", ["sampler.window_schedule=random"]),
            "awm_ema_kl": ("configs/t2i/shapes_awm.yaml", ["algo.kl_coef=0.1", "algo.kl=flow_velocity",
-                                                           "algo.kl_reference=ema", "train.ema_decay=0.9"])}
+                                                           "algo.kl_reference=ema", "train.ema_decay=0.9"]),
+           "awm_anchored": ("configs/t2i/shapes_awm_anchored.yaml", [])}
+CONTROL = "control"  # continued pretraining of the base (not a method: reported as the baseline)
+BASE = "tasks/assets/shapes-base"
 
 
-def launch(method: str, seed: int, minutes: float, out: str, extra: list[str]) -> subprocess.Popen:
-    items = [f"train.seed={seed}", f"train.time_budget_min={minutes}", f"log.eval_every_min={minutes / 2}",
+def launch(method: str, seed: int, minutes: float, out: str, extra: list[str], eval_every: float) -> subprocess.Popen:
+    items = [f"train.seed={seed}", f"train.time_budget_min={minutes}", f"log.eval_every_min={eval_every}",
              "train.iterations=100000", "train.threads=1", "log.eval_at_start=false", "log.progress=false",
              f"log.out_dir={out}", "log.image_every=0", *extra]
     log = open(os.path.join(out + ".log"), "w")
@@ -37,59 +54,206 @@ def launch(method: str, seed: int, minutes: float, out: str, extra: list[str]) -
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def base_accuracy(eval_prompts: int) -> float:
-    """The committed base at the trainer's evaluation seed (10000), as every run's eval_start would give."""
+def launch_control(seed: int, minutes: float, out: str, eval_every: float, eval_prompts: int,
+                   batch: int = 64) -> subprocess.Popen:
+    """Continued pretraining of the base (the pretraining recipe with its cooldown), saved at the methods' evaluation
+    minutes; its own evaluation runs on as many held-out prompts as theirs, so it pays the same time for it."""
+    for old in glob.glob(out + ".step*"):  # a previous run's saves in this folder
+        shutil.rmtree(old)
+    for old in (out + ".log.jsonl", out + ".train_state.pt", out + ".scores.json"):
+        if os.path.exists(old):
+            os.remove(old)
+    cmd = [sys.executable, "scripts/pretrain_world.py", "--world", "shapes", "--init", BASE, "--minutes", str(minutes),
+           "--threads", "1", "--seed", str(seed), "--lr", "1e-3", "--cooldown", "0.2", "--batch", str(batch),
+           "--eval-every", str(eval_every), "--eval-n", str(eval_prompts), "--keep-saves", "--out", out]
+    log = open(out + ".log", "w")
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def strict_accuracy(eval_prompts: int, model_path: str = BASE) -> float:
+    """A saved model folder (by default the committed base) scored exactly as every run's trainer evaluation: the
+    main job's config with model.path=model_path, its held-out prompts, noise seed 10000, 16 ODE steps."""
     from mmrl.compose import build_policy, build_reward, build_task, load_config
     from mmrl.evaluation import evaluate_outputs
 
-    cfg = load_config(os.path.join(ROOT, METHODS["grpo"][0]), [f"task.eval_prompts={eval_prompts}", "log.progress=false"])
+    cfg = load_config(os.path.join(ROOT, METHODS["grpo"][0]), [f"task.eval_prompts={eval_prompts}", "log.progress=false",
+                                                               f"model.path={model_path}"])
     reward = build_reward(cfg.reward.name, cfg.reward.kwargs)
     res = evaluate_outputs(build_policy(cfg).evaluate, build_task(cfg.task).eval_examples(),
-                           lambda o, e: reward(o, e), seed=10_000)
+                           lambda o, e: reward(o, e), seed=10_000, progress=False)
     return res["strict"]
+
+
+def base_accuracy(eval_prompts: int) -> float:
+    """The committed base at the trainer's evaluation seed (10000), as every run's eval_start would give."""
+    return strict_accuracy(eval_prompts, BASE)
+
+
+def method_run(out: str, minutes: float) -> dict:
+    """A trainer run's figures: the timed evaluations and the end (at the budget's minutes)."""
+    res = json.load(open(os.path.join(out, "results.json")))
+    curve = [(e["minutes"], e["strict"]) for e in res["eval_timed"]] + [(minutes, res["eval_end"]["strict"])]
+    return {"curve": curve, "iterations": res["iterations"]}
+
+
+def control_run(out: str, eval_prompts: int, rescore: str = "all") -> dict:
+    """The control's kept saves, at the save's minutes; "iterations" are its optimizer steps. rescore: which saves
+    are scored afterwards from their folders by the trainer's evaluation code, the methods' metric ("all", "last",
+    "none"); the table uses that figure where there is one, else the control's own evaluation (the same prompts,
+    noise seeds and steps, but of the in-memory model, which does not give the same samples as the saved folder
+    loaded as the trainer loads it: `rescore_minus_own` lists the differences)."""
+    saves = sorted(glob.glob(out + ".step*"))
+    if not saves:
+        raise RuntimeError(f"the control {out} kept no save; see {out}.log")
+    own = {}
+    with open(out + ".log.jsonl") as f:
+        for line in f:
+            rec = json.loads(line)
+            own[rec["step"]] = rec["strict"]
+    cache_path = out + ".scores.json"  # {save folder name: strict} of saves scored before (--score-only)
+    cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
+    curve, checks = [], []
+    for k, path in enumerate(saves):
+        info = json.load(open(os.path.join(path, "pretrain_info.json")))
+        acc = own.get(info["step"])
+        if rescore == "all" or (rescore == "last" and k == len(saves) - 1) or acc is None:
+            name = f"{os.path.basename(path)}@{eval_prompts}"
+            if name not in cache:
+                cache[name] = strict_accuracy(eval_prompts, path)
+                with open(cache_path, "w") as f:
+                    json.dump(cache, f, indent=1)
+            if acc is not None:
+                checks.append(round(cache[name] - acc, 4))
+            acc = cache[name]
+        curve.append((info["minutes"], acc))
+    return {"curve": curve, "iterations": info["step"], "rescore_minus_own": checks}
+
+
+def summarize(run: dict, minutes: float) -> dict:
+    """half: the first evaluation at or after half the budget (the trainer's timed one), full: the last."""
+    curve = run["curve"]
+    half = next(((m, a) for m, a in curve[:-1] if m >= minutes / 2 * 0.999), None)
+    return {"half": half[1] if half else None, "half_minutes": half[0] if half else None, "full": curve[-1][1],
+            "iterations": run["iterations"], "curve": [[round(m, 2), a] for m, a in curve],
+            **({"rescore_minus_own": run["rescore_minus_own"]} if "rescore_minus_own" in run else {})}
+
+
+def mean_se(xs: list[float]) -> tuple[float, float | None]:
+    return statistics.mean(xs), (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", nargs="+", default=["grpo", "nft", "awm", "flash"], choices=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=["grpo", "nft", "awm", "flash"], choices=[*METHODS, CONTROL],
+                    help=f"'{CONTROL}': continued pretraining of the base, the baseline every method is compared to")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--minutes", type=float, default=16.0, help="wall-time budget of every run")
+    ap.add_argument("--eval-every-min", type=float, default=None,
+                    help="evaluate every run this often (default: half of --minutes, i.e. at half time and the end)")
     ap.add_argument("--eval-prompts", type=int, default=504)
     ap.add_argument("--out", default="runs/compare_flow_rl")
-    ap.add_argument("--quick", action="store_true", help="1 minute, seed 0, grpo and nft, 24 held-out prompts")
+    ap.add_argument("--quick", action="store_true", help="1 minute, seed 0, grpo, nft and the control, 24 held-out prompts")
+    ap.add_argument("--parallel-seeds", action="store_true",
+                    help="start every seed's runs at once (default: the seeds one after another)")
+    ap.add_argument("--score-only", action="store_true",
+                    help="only score the finished control saves of --seeds in --out (1 thread; cached for the report), "
+                    "e.g. one seed's while the next seed's runs go on")
+    ap.add_argument("--report-only", action="store_true",
+                    help="launch nothing: score and tabulate the finished runs already in --out")
     args = ap.parse_args()
     if args.quick:
-        args.minutes, args.seeds, args.methods, args.eval_prompts = 1.0, [0], ["grpo", "nft"], 24
+        args.minutes, args.seeds, args.methods, args.eval_prompts = 1.0, [0], ["grpo", "nft", CONTROL], 24
+        args.eval_every_min = None
+    eval_every = args.eval_every_min or args.minutes / 2
     extra = [f"task.eval_prompts={args.eval_prompts}"] + (["train.prompts_per_iter=4", "train.group_size=4"]
                                                           if args.quick else [])
     os.makedirs(args.out, exist_ok=True)
-    runs = {}
-    for seed in args.seeds:  # the methods of one seed run at the same time, so they share the machine's load
-        procs = {m: launch(m, seed, args.minutes, os.path.join(args.out, f"{m}_s{seed}"), extra) for m in args.methods}
-        for m, p in procs.items():
-            if p.wait() != 0:
-                sys.exit(f"{m} seed {seed} failed; see {os.path.join(args.out, f'{m}_s{seed}.log')}")
-            res = json.load(open(os.path.join(args.out, f"{m}_s{seed}", "results.json")))
-            half = res["eval_timed"][0] if res["eval_timed"] else None
-            runs[(m, seed)] = {"half": half["strict"] if half else None, "half_minutes": half and half["minutes"],
-                               "full": res["eval_end"]["strict"], "iterations": res["iterations"]}
+    if args.score_only:
+        import torch
+
+        torch.set_num_threads(1)
+        for seed in args.seeds:
+            run = control_run(os.path.join(args.out, f"{CONTROL}_s{seed}"), args.eval_prompts)
+            print(json.dumps({"seed": seed, **run}), flush=True)
+        return
+    batches = [args.seeds] if args.parallel_seeds else [[seed] for seed in args.seeds]
+    for seeds in ([] if args.report_only else batches):  # a seed's runs start together and share the machine
+        procs = {(m, seed): (launch_control(seed, args.minutes, os.path.join(args.out, f"{m}_s{seed}"), eval_every,
+                                            args.eval_prompts, 16 if args.quick else 64) if m == CONTROL else
+                             launch(m, seed, args.minutes, os.path.join(args.out, f"{m}_s{seed}"), extra, eval_every))
+                 for seed in seeds for m in args.methods}
+        for (m, seed), p in procs.items():
+            if p.wait() != 0:  # reported as failed; the other runs go on
+                print(f"{m} seed {seed} failed; see {os.path.join(args.out, f'{m}_s{seed}.log')}", file=sys.stderr)
+        print(f"seeds {seeds} done", file=sys.stderr, flush=True)
+    runs = {}  # the control's saves are scored once every seed's runs are over: nothing else loads the machine then
+    for seed in args.seeds:
+        for m in args.methods:
+            out = os.path.join(args.out, f"{m}_s{seed}")
+            try:
+                run = control_run(out, args.eval_prompts) if m == CONTROL else method_run(out, args.minutes)
+            except (OSError, RuntimeError, KeyError, IndexError) as e:  # no results: a failed run
+                print(f"{m} seed {seed}: no results ({e}); reported as failed", file=sys.stderr)
+                runs[(m, seed)] = None
+                continue
+            runs[(m, seed)] = summarize(run, args.minutes)
+    report(runs, args, eval_every)
+    if any(r is None for r in runs.values()):
+        sys.exit(1)
+
+
+def report(runs: dict, args, eval_every: float) -> None:
     base = base_accuracy(args.eval_prompts)
     table = {}
+    fmt = lambda v: f"{100 * v:8.2f}" if v is not None else f"{'-':>8s}"  # noqa: E731
     print(f"base {100 * base:.2f}% strict on {args.eval_prompts} held-out prompts; {args.minutes} min per run")
-    print(f"{'method':8s} {'half':>8s} {'full':>8s} {'gain half':>10s} {'gain full':>10s}  per seed (half / full, iterations)")
+    print(f"{'method':12s} {'half':>8s} {'full':>8s} {'gain half':>10s} {'gain full':>10s}  per seed (half / full, iterations)")
     for m in args.methods:
-        rs = [runs[(m, s)] for s in args.seeds]
+        rs = [runs[(m, s)] for s in args.seeds if runs[(m, s)] is not None]
+        if not rs:
+            print(f"{m:12s} failed on every seed")
+            continue
         half = [r["half"] for r in rs if r["half"] is not None]
         row = {"half": statistics.mean(half) if half else None, "full": statistics.mean(r["full"] for r in rs),
-               "per_seed": rs}
+               "full_se": mean_se([r["full"] for r in rs])[1], "per_seed": [runs[(m, s)] for s in args.seeds]}
         row["gain_half"] = row["half"] - base if half else None
         row["gain_full"] = row["full"] - base
         table[m] = row
-        fmt = lambda v: f"{100 * v:8.2f}" if v is not None else f"{'-':>8s}"  # noqa: E731
-        seeds = "  ".join(f"{fmt(r['half']).strip()}/{100 * r['full']:.2f} ({r['iterations']})" for r in rs)
-        print(f"{m:8s} {fmt(row['half'])} {fmt(row['full'])} {fmt(row['gain_half']):>10s} {fmt(row['gain_full']):>10s}  {seeds}")
-    print(json.dumps({"base": base, "minutes": args.minutes, "seeds": args.seeds, "eval_prompts": args.eval_prompts,
-                      "methods": table}))
+        seeds = "  ".join("failed" if r is None else f"{fmt(r['half']).strip()}/{100 * r['full']:.2f} ({r['iterations']})"
+                          for r in (runs[(m, s)] for s in args.seeds))
+        print(f"{m:12s} {fmt(row['half'])} {fmt(row['full'])} {fmt(row['gain_half']):>10s} {fmt(row['gain_full']):>10s}  "
+              f"{seeds}" + ("  <- pretraining steps" if m == CONTROL else ""))
+    if any(r is not None and len(r["curve"]) > 2 for r in runs.values()):
+        print("curves, strict % at minutes (mean over seeds at each evaluation; per seed):")
+        for m in table:
+            rs = [runs[(m, s)] for s in args.seeds if runs[(m, s)] is not None]
+            n = min(len(r["curve"]) for r in rs)
+            at = [(statistics.mean(r["curve"][i][0] for r in rs), statistics.mean(r["curve"][i][1] for r in rs))
+                  for i in range(n)]
+            mean = "  ".join(f"{minutes:.1f}m {100 * acc:.2f}" for minutes, acc in at)
+            print(f"  {m:12s} {mean}   | " + " | ".join(" ".join(f"{100 * a:.2f}" for _, a in r["curve"]) for r in rs))
+    out = {"base": base, "minutes": args.minutes, "eval_every_min": eval_every, "seeds": args.seeds,
+           "eval_prompts": args.eval_prompts, "methods": {m: r for m, r in table.items() if m != CONTROL},
+           "failed": [f"{m}_s{s}" for (m, s), r in runs.items() if r is None]}
+    if CONTROL in table:
+        out["control"] = table[CONTROL]
+        methods = [m for m in table if m != CONTROL]
+        if methods:
+            best = max(methods, key=lambda m: table[m]["full"])
+            gap = {}
+            for key in ("half", "full"):
+                per = [runs[(best, s)][key] - runs[(CONTROL, s)][key] for s in args.seeds
+                       if runs[(best, s)] and runs[(CONTROL, s)] and runs[(best, s)][key] is not None
+                       and runs[(CONTROL, s)][key] is not None]
+                mean, se = mean_se(per) if per else (None, None)
+                gap[key] = {"mean": mean, "se": se, "per_seed": per}
+            out["best_minus_control"] = {"method": best, **gap}
+            se = gap["full"]["se"]
+            print(f"best method {best} minus the control at {args.minutes:g} min: {100 * gap['full']['mean']:+.2f} points"
+                  + (f" (s.e. {100 * se:.2f})" if se is not None else "") + ", per seed "
+                  + " ".join(f"{100 * d:+.2f}" for d in gap["full"]["per_seed"])
+                  + (f"; at half time {100 * gap['half']['mean']:+.2f}" if gap["half"]["mean"] is not None else ""))
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import copy
 import json
 import os
 import random
+import shutil
 import sys
 import time
 
@@ -62,11 +63,11 @@ class World:
             x0 = torch.stack([self.mod.to_tensor(self.mod.render(p.spec, self.size, rng)) for p in ps])
         return [p.text for p in ps], x0
 
-    def evaluate(self, model: FlowModel, n: int) -> dict:
+    def evaluate(self, model: FlowModel, n: int, seed: int = 0) -> dict:
         from tasks import motion_eval, shapes_eval
 
         evaluate = (motion_eval if self.frames else shapes_eval).evaluate
-        return evaluate(model, self.mod.balanced_prompts("heldout", n, seed=1234), seed=0, progress=False)
+        return evaluate(model, self.mod.balanced_prompts("heldout", n, seed=1234), seed=seed, progress=False)
 
 
 def parse_args(argv=None):
@@ -94,6 +95,13 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=float, default=10.0, help="minutes between evals/saves")
     p.add_argument("--eval-n", type=int, default=120)
+    p.add_argument("--eval-seed", type=int, default=0,
+                   help="noise seed of the held-out evaluation (prompt i uses seed + i); 10000 is mmrl's trainer "
+                   "evaluation of the same prompts (task.eval_prompts)")
+    p.add_argument("--keep-saves", action="store_true",
+                   help="keep a copy of every save as OUT.stepNNNNNN, and save at whole multiples of --eval-every "
+                   "from the start (as mmrl's log.eval_every_min), so that runs compared at equal wall time are saved "
+                   "at the same minutes (compare_flow_rl.py's control arm)")
     p.add_argument("--resume", action="store_true", help="continue from OUT.train_state.pt (weights, EMA, optimizer)")
     p.add_argument("--init", default=None, help="start from the weights of a saved model folder (fresh optimizer), "
                    "e.g. to continue pretraining the committed base as a control")
@@ -132,6 +140,7 @@ def main(argv=None):
         print(f"resumed at step {step}, {elapsed / 60:.1f} min")
     encode = make_clip_encoder(parts["tokenizer"], te)
     t0, last_eval = time.time() - elapsed, time.time()
+    n_saves = int(elapsed // (args.eval_every * 60))  # --keep-saves: timed saves so far (a resumed run keeps its clock)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     log = open(args.out.rstrip("/") + ".log.jsonl", "a")
     try:
@@ -162,12 +171,19 @@ def main(argv=None):
             done = time.time() - t0 >= args.minutes * 60
             if step % 50 == 0:
                 print(f"step {step} loss {loss.item():.4f} {(time.time() - t0) / 60:.1f} min", flush=True)
-            if done or time.time() - last_eval >= args.eval_every * 60:
+            if args.keep_saves:
+                due = time.time() - t0 >= args.eval_every * 60 * (1 + n_saves)
+                n_saves += due
+            else:
+                due = time.time() - last_eval >= args.eval_every * 60
+            if done or due:
                 save(args, parts, ema_tr, ema_te, params, ema_params, opt, step, time.time() - t0, rng, state_path)
+                if args.keep_saves:
+                    shutil.copytree(args.out, f"{args.out.rstrip('/')}.step{step:06d}", dirs_exist_ok=True)
                 shape = (3, world.frames, world.size, world.size) if world.frames else (3, world.size, world.size)
                 model = FlowModel(ema_tr, make_clip_encoder(parts["tokenizer"], ema_te), lambda x: x.clamp(-1, 1),
                                   shape, (ema_te,), prediction=args.prediction, call=call)
-                res = world.evaluate(model, args.eval_n)
+                res = world.evaluate(model, args.eval_n, args.eval_seed)
                 rec = {"step": step, "minutes": round((time.time() - t0) / 60, 2), "loss": loss.item(), **res}
                 print(json.dumps(rec), flush=True)
                 log.write(json.dumps(rec) + "\n")
