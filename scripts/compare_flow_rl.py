@@ -1,4 +1,4 @@
-"""Flow RL methods side by side at equal wall time on the embedded shapes world: for each seed, one training run per
+"""Flow RL methods side by side at equal wall time on an embedded world (shapes, or motion with --world motion): for each seed, one training run per
 method starts at the same moment (each `mmrl train CONFIG` in its own process, train.threads=1), all with the same
 time budget and a held-out evaluation halfway and at the end (`log.eval_every_min`, which counts in the budget).
 
@@ -14,8 +14,12 @@ same held-out prompts (so it pays the same evaluation time); once every seed's r
 with exactly the methods' metric: the folder loaded and evaluated by the trainer's code (seed 10000, 16 ODE steps).
 
     python scripts/compare_flow_rl.py --methods nft grpo awm control --seeds 0 1 2 --minutes 16 --eval-every-min 4
+    python scripts/compare_flow_rl.py --world motion --methods nft flash control --seeds 0 1 2 --minutes 16
 
-Prints a table of held-out strict accuracy (mean over seeds, and per seed) at half and full time, the base's
+On motion the control continues the recipe that made the motion base (`--coordinates`, lr 3e-4, batch 32, logit
+mean 1.5, with the same cooldown), and the metric is motion accuracy (the reward's `correct`) on 256 held-out prompts.
+
+Prints a table of the held-out metric (shapes: strict accuracy) (mean over seeds, and per seed) at half and full time, the base's
 accuracy, and the gains; with a control, the control's row and the best method (highest mean at full time) minus
 the control, per seed and in the mean with its standard error over seeds; with evaluations more often than at half
 time, every run's curve. The last line is one JSON object. Gains are over the base at the trainer's eval seed.
@@ -30,32 +34,56 @@ import statistics
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# method -> (config, overrides)
-METHODS = {"grpo": ("configs/t2i/shapes_grpo.yaml", []), "nft": ("configs/t2i/shapes_nft.yaml", []),
-           "awm": ("configs/t2i/shapes_awm.yaml", []), "flash": ("configs/t2i/shapes_mixgrpo_flash.yaml", []),
-           "dgpo": ("configs/t2i/shapes_dgpo.yaml", []), "flow_dppo": ("configs/t2i/shapes_flow_dppo.yaml", []),
-           "flash_random": ("configs/t2i/shapes_mixgrpo_flash.yaml", ["sampler.window_schedule=random"]),
-           "awm_ema_kl": ("configs/t2i/shapes_awm.yaml", ["algo.kl_coef=0.1", "algo.kl=flow_velocity",
-                                                           "algo.kl_reference=ema", "train.ema_decay=0.9"]),
-           "awm_anchored": ("configs/t2i/shapes_awm_anchored.yaml", [])}
+
+
+@dataclass(frozen=True)
+class World:
+    """An embedded world's arms: method -> (config, overrides); its committed base; the control's pretraining recipe
+    (the flags that made the base); the held-out metric (the reward's key); the default number of held-out prompts."""
+    methods: dict
+    base: str
+    pretrain: tuple
+    metric: str
+    eval_prompts: int
+
+
+WORLDS = {
+    "shapes": World(
+        methods={"grpo": ("configs/t2i/shapes_grpo.yaml", []), "nft": ("configs/t2i/shapes_nft.yaml", []),
+                 "awm": ("configs/t2i/shapes_awm.yaml", []), "flash": ("configs/t2i/shapes_mixgrpo_flash.yaml", []),
+                 "dgpo": ("configs/t2i/shapes_dgpo.yaml", []),
+                 "flow_dppo": ("configs/t2i/shapes_flow_dppo.yaml", []),
+                 "flash_random": ("configs/t2i/shapes_mixgrpo_flash.yaml", ["sampler.window_schedule=random"]),
+                 "awm_ema_kl": ("configs/t2i/shapes_awm.yaml", ["algo.kl_coef=0.1", "algo.kl=flow_velocity",
+                                                                 "algo.kl_reference=ema", "train.ema_decay=0.9"]),
+                 "awm_anchored": ("configs/t2i/shapes_awm_anchored.yaml", [])},
+        base="tasks/assets/shapes-base", pretrain=("--lr", "1e-3", "--batch", "64"), metric="strict", eval_prompts=504),
+    "motion": World(
+        methods={"grpo": ("configs/t2v/motion_grpo.yaml", []), "grpo_ema": ("configs/t2v/motion_grpo_ema.yaml", []),
+                 "nft": ("configs/t2v/motion_nft.yaml", []),
+                 "flash": ("configs/t2v/motion_mixgrpo_flash.yaml", [])},
+        base="tasks/assets/motion-base", metric="correct", eval_prompts=256,
+        pretrain=("--coordinates", "--lr", "3e-4", "--batch", "32", "--logit-mean", "1.5")),
+}
 CONTROL = "control"  # continued pretraining of the base (not a method: reported as the baseline)
-BASE = "tasks/assets/shapes-base"
 
 
-def launch(method: str, seed: int, minutes: float, out: str, extra: list[str], eval_every: float) -> subprocess.Popen:
+def launch(world: World, method: str, seed: int, minutes: float, out: str, extra: list[str],
+           eval_every: float) -> subprocess.Popen:
     items = [f"train.seed={seed}", f"train.time_budget_min={minutes}", f"log.eval_every_min={eval_every}",
              "train.iterations=100000", "train.threads=1", "log.eval_at_start=false", "log.progress=false",
              f"log.out_dir={out}", "log.image_every=0", *extra]
     log = open(os.path.join(out + ".log"), "w")
-    config, overrides = METHODS[method]
+    config, overrides = world.methods[method]
     return subprocess.Popen([sys.executable, "-m", "mmrl.cli", "train", config, "--overwrite", *overrides, *items], cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def launch_control(seed: int, minutes: float, out: str, eval_every: float, eval_prompts: int,
-                   batch: int = 64) -> subprocess.Popen:
+def launch_control(world: World, name: str, seed: int, minutes: float, out: str, eval_every: float,
+                   eval_prompts: int, quick: bool = False) -> subprocess.Popen:
     """Continued pretraining of the base (the pretraining recipe with its cooldown), saved at the methods' evaluation
     minutes; its own evaluation runs on as many held-out prompts as theirs, so it pays the same time for it."""
     for old in glob.glob(out + ".step*"):  # a previous run's saves in this folder
@@ -63,40 +91,38 @@ def launch_control(seed: int, minutes: float, out: str, eval_every: float, eval_
     for old in (out + ".log.jsonl", out + ".train_state.pt", out + ".scores.json"):
         if os.path.exists(old):
             os.remove(old)
-    cmd = [sys.executable, "scripts/pretrain_world.py", "--world", "shapes", "--init", BASE, "--minutes", str(minutes),
-           "--threads", "1", "--seed", str(seed), "--lr", "1e-3", "--cooldown", "0.2", "--batch", str(batch),
+    recipe = [*world.pretrain, *(["--batch", "16"] if quick else [])]  # the last --batch wins
+    cmd = [sys.executable, "scripts/pretrain_world.py", "--world", name, "--init", world.base, "--minutes", str(minutes),
+           "--threads", "1", "--seed", str(seed), "--cooldown", "0.2", *recipe,
            "--eval-every", str(eval_every), "--eval-n", str(eval_prompts), "--keep-saves", "--out", out]
     log = open(out + ".log", "w")
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def strict_accuracy(eval_prompts: int, model_path: str = BASE) -> float:
-    """A saved model folder (by default the committed base) scored exactly as every run's trainer evaluation: the
-    main job's config with model.path=model_path, its held-out prompts, noise seed 10000, 16 ODE steps."""
+def held_out_accuracy(world: World, eval_prompts: int, model_path: str) -> float:
+    """A saved model folder scored exactly as every run's trainer evaluation: the world's first method's config with
+    model.path=model_path, its held-out prompts, noise seed 10000, its ODE steps; the world's metric."""
     from mmrl.compose import build_policy, build_reward, build_task, load_config
     from mmrl.evaluation import evaluate_outputs
 
-    cfg = load_config(os.path.join(ROOT, METHODS["grpo"][0]), [f"task.eval_prompts={eval_prompts}", "log.progress=false",
-                                                               f"model.path={model_path}"])
+    config = next(iter(world.methods.values()))[0]
+    cfg = load_config(os.path.join(ROOT, config), [f"task.eval_prompts={eval_prompts}", "log.progress=false",
+                                                   f"model.path={model_path}"])
     reward = build_reward(cfg.reward.name, cfg.reward.kwargs)
     res = evaluate_outputs(build_policy(cfg).evaluate, build_task(cfg.task).eval_examples(),
                            lambda o, e: reward(o, e), seed=10_000, progress=False)
-    return res["strict"]
+    return res[world.metric]
 
 
-def base_accuracy(eval_prompts: int) -> float:
-    """The committed base at the trainer's evaluation seed (10000), as every run's eval_start would give."""
-    return strict_accuracy(eval_prompts, BASE)
-
-
-def method_run(out: str, minutes: float) -> dict:
+def method_run(world: World, out: str, minutes: float) -> dict:
     """A trainer run's figures: the timed evaluations and the end (at the budget's minutes)."""
     res = json.load(open(os.path.join(out, "results.json")))
-    curve = [(e["minutes"], e["strict"]) for e in res["eval_timed"]] + [(minutes, res["eval_end"]["strict"])]
+    curve = ([(e["minutes"], e[world.metric]) for e in res["eval_timed"]]
+             + [(minutes, res["eval_end"][world.metric])])
     return {"curve": curve, "iterations": res["iterations"]}
 
 
-def control_run(out: str, eval_prompts: int, rescore: str = "all") -> dict:
+def control_run(world: World, out: str, eval_prompts: int, rescore: str = "all") -> dict:
     """The control's kept saves, at the save's minutes; "iterations" are its optimizer steps. rescore: which saves
     are scored afterwards from their folders by the trainer's evaluation code, the methods' metric ("all", "last",
     "none"); the table uses that figure where there is one, else the control's own evaluation (the same prompts,
@@ -109,8 +135,8 @@ def control_run(out: str, eval_prompts: int, rescore: str = "all") -> dict:
     with open(out + ".log.jsonl") as f:
         for line in f:
             rec = json.loads(line)
-            own[rec["step"]] = rec["strict"]
-    cache_path = out + ".scores.json"  # {save folder name: strict} of saves scored before (--score-only)
+            own[rec["step"]] = rec[world.metric]
+    cache_path = out + ".scores.json"  # {save folder name: metric} of saves scored before (--score-only)
     cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
     curve, checks = [], []
     for k, path in enumerate(saves):
@@ -119,7 +145,7 @@ def control_run(out: str, eval_prompts: int, rescore: str = "all") -> dict:
         if rescore == "all" or (rescore == "last" and k == len(saves) - 1) or acc is None:
             name = f"{os.path.basename(path)}@{eval_prompts}"
             if name not in cache:
-                cache[name] = strict_accuracy(eval_prompts, path)
+                cache[name] = held_out_accuracy(world, eval_prompts, path)
                 with open(cache_path, "w") as f:
                     json.dump(cache, f, indent=1)
             if acc is not None:
@@ -144,13 +170,15 @@ def mean_se(xs: list[float]) -> tuple[float, float | None]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", nargs="+", default=["grpo", "nft", "awm", "flash"], choices=[*METHODS, CONTROL],
+    ap.add_argument("--world", default="shapes", choices=list(WORLDS))
+    ap.add_argument("--methods", nargs="+", default=None,  # the world's grpo, nft, awm, flash
+                    choices=sorted({m for w in WORLDS.values() for m in w.methods} | {CONTROL}),
                     help=f"'{CONTROL}': continued pretraining of the base, the baseline every method is compared to")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--minutes", type=float, default=16.0, help="wall-time budget of every run")
     ap.add_argument("--eval-every-min", type=float, default=None,
                     help="evaluate every run this often (default: half of --minutes, i.e. at half time and the end)")
-    ap.add_argument("--eval-prompts", type=int, default=504)
+    ap.add_argument("--eval-prompts", type=int, default=None, help="default: shapes 504, motion 256")
     ap.add_argument("--out", default="runs/compare_flow_rl")
     ap.add_argument("--quick", action="store_true", help="1 minute, seed 0, grpo, nft and the control, 24 held-out prompts")
     ap.add_argument("--parallel-seeds", action="store_true",
@@ -161,9 +189,15 @@ def main():
     ap.add_argument("--report-only", action="store_true",
                     help="launch nothing: score and tabulate the finished runs already in --out")
     args = ap.parse_args()
+    world = WORLDS[args.world]
+    args.methods = args.methods or [m for m in ("grpo", "nft", "awm", "flash") if m in world.methods]
+    args.eval_prompts = args.eval_prompts or world.eval_prompts
     if args.quick:
         args.minutes, args.seeds, args.methods, args.eval_prompts = 1.0, [0], ["grpo", "nft", CONTROL], 24
         args.eval_every_min = None
+    unknown = [m for m in args.methods if m != CONTROL and m not in world.methods]
+    if unknown:
+        ap.error(f"{args.world} has no method {unknown}; choose from {sorted(world.methods)} or {CONTROL}")
     eval_every = args.eval_every_min or args.minutes / 2
     extra = [f"task.eval_prompts={args.eval_prompts}"] + (["train.prompts_per_iter=4", "train.group_size=4"]
                                                           if args.quick else [])
@@ -173,14 +207,15 @@ def main():
 
         torch.set_num_threads(1)
         for seed in args.seeds:
-            run = control_run(os.path.join(args.out, f"{CONTROL}_s{seed}"), args.eval_prompts)
+            run = control_run(world, os.path.join(args.out, f"{CONTROL}_s{seed}"), args.eval_prompts)
             print(json.dumps({"seed": seed, **run}), flush=True)
         return
     batches = [args.seeds] if args.parallel_seeds else [[seed] for seed in args.seeds]
     for seeds in ([] if args.report_only else batches):  # a seed's runs start together and share the machine
-        procs = {(m, seed): (launch_control(seed, args.minutes, os.path.join(args.out, f"{m}_s{seed}"), eval_every,
-                                            args.eval_prompts, 16 if args.quick else 64) if m == CONTROL else
-                             launch(m, seed, args.minutes, os.path.join(args.out, f"{m}_s{seed}"), extra, eval_every))
+        procs = {(m, seed): (launch_control(world, args.world, seed, args.minutes, os.path.join(args.out, f"{m}_s{seed}"),
+                                            eval_every, args.eval_prompts, args.quick) if m == CONTROL else
+                             launch(world, m, seed, args.minutes, os.path.join(args.out, f"{m}_s{seed}"), extra,
+                                    eval_every))
                  for seed in seeds for m in args.methods}
         for (m, seed), p in procs.items():
             if p.wait() != 0:  # reported as failed; the other runs go on
@@ -191,22 +226,24 @@ def main():
         for m in args.methods:
             out = os.path.join(args.out, f"{m}_s{seed}")
             try:
-                run = control_run(out, args.eval_prompts) if m == CONTROL else method_run(out, args.minutes)
+                run = (control_run(world, out, args.eval_prompts) if m == CONTROL
+                       else method_run(world, out, args.minutes))
             except (OSError, RuntimeError, KeyError, IndexError) as e:  # no results: a failed run
                 print(f"{m} seed {seed}: no results ({e}); reported as failed", file=sys.stderr)
                 runs[(m, seed)] = None
                 continue
             runs[(m, seed)] = summarize(run, args.minutes)
-    report(runs, args, eval_every)
+    report(world, runs, args, eval_every)
     if any(r is None for r in runs.values()):
         sys.exit(1)
 
 
-def report(runs: dict, args, eval_every: float) -> None:
-    base = base_accuracy(args.eval_prompts)
+def report(world: World, runs: dict, args, eval_every: float) -> None:
+    base = held_out_accuracy(world, args.eval_prompts, world.base)
     table = {}
     fmt = lambda v: f"{100 * v:8.2f}" if v is not None else f"{'-':>8s}"  # noqa: E731
-    print(f"base {100 * base:.2f}% strict on {args.eval_prompts} held-out prompts; {args.minutes} min per run")
+    print(f"{args.world}: base {100 * base:.2f}% {world.metric} on {args.eval_prompts} held-out prompts; "
+          f"{args.minutes} min per run")
     print(f"{'method':12s} {'half':>8s} {'full':>8s} {'gain half':>10s} {'gain full':>10s}  per seed (half / full, iterations)")
     for m in args.methods:
         rs = [runs[(m, s)] for s in args.seeds if runs[(m, s)] is not None]
@@ -224,7 +261,7 @@ def report(runs: dict, args, eval_every: float) -> None:
         print(f"{m:12s} {fmt(row['half'])} {fmt(row['full'])} {fmt(row['gain_half']):>10s} {fmt(row['gain_full']):>10s}  "
               f"{seeds}" + ("  <- pretraining steps" if m == CONTROL else ""))
     if any(r is not None and len(r["curve"]) > 2 for r in runs.values()):
-        print("curves, strict % at minutes (mean over seeds at each evaluation; per seed):")
+        print(f"curves, {world.metric} % at minutes (mean over seeds at each evaluation; per seed):")
         for m in table:
             rs = [runs[(m, s)] for s in args.seeds if runs[(m, s)] is not None]
             n = min(len(r["curve"]) for r in rs)
@@ -232,7 +269,7 @@ def report(runs: dict, args, eval_every: float) -> None:
                   for i in range(n)]
             mean = "  ".join(f"{minutes:.1f}m {100 * acc:.2f}" for minutes, acc in at)
             print(f"  {m:12s} {mean}   | " + " | ".join(" ".join(f"{100 * a:.2f}" for _, a in r["curve"]) for r in rs))
-    out = {"base": base, "minutes": args.minutes, "eval_every_min": eval_every, "seeds": args.seeds,
+    out = {"world": args.world, "metric": world.metric, "base": base, "minutes": args.minutes, "eval_every_min": eval_every, "seeds": args.seeds,
            "eval_prompts": args.eval_prompts, "methods": {m: r for m, r in table.items() if m != CONTROL},
            "failed": [f"{m}_s{s}" for (m, s), r in runs.items() if r is None]}
     if CONTROL in table:

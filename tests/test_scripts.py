@@ -160,12 +160,16 @@ def test_bench_grounding_reports_the_ood_splits_side_by_side(tiny_vl, tmp_path):
 
 
 @pytest.mark.slow
-def test_compare_flow_rl_quick(tmp_path):
-    """Two methods trained side by side for a minute each, evaluated halfway and at the end (about 2 minutes)."""
-    r = run("scripts/compare_flow_rl.py", "--quick", "--out", str(tmp_path))
+@pytest.mark.parametrize("world", ["shapes", "motion"])
+def test_compare_flow_rl_quick(tmp_path, world):
+    """Two methods and the control trained side by side for a minute each, evaluated halfway and at the end (about 2
+    minutes per world)."""
+    r = run("scripts/compare_flow_rl.py", "--quick", "--world", world, "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(res["methods"]) == {"grpo", "nft"} and res["eval_prompts"] == 24
+    assert res["world"] == world and res["metric"] == {"shapes": "strict", "motion": "correct"}[world]
+    assert res["control"]["per_seed"][0]["iterations"] > 0 and 0 <= res["control"]["full"] <= 1
     for m in res["methods"].values():
         run_ = m["per_seed"][0]
         assert run_["iterations"] > 0 and run_["half"] is not None and 0.4 < run_["half_minutes"] / 0.5 < 2
