@@ -22,7 +22,7 @@ from mmrl.config import Config, TaskConfig, policy_kind
 from mmrl.config_files import load_config as parse_config
 from mmrl.policy import POLICIES
 from mmrl.registry import Registry
-from mmrl.reward import REWARDS, FunctionReward, plain_function_args
+from mmrl.reward import REWARDS, FunctionReward, plain_function_args, weight_schedule
 from mmrl.rollout.engine import ENGINES
 from mmrl.rollout.pairwise import JUDGES
 from mmrl.rollout.tree import FUSIONS, split_schedule
@@ -151,6 +151,7 @@ def check_kwargs(registry: Registry, name: str, kwargs: dict, where: str, visit=
             if set(spec) - {"name", "weight", "kwargs"}:
                 raise ValueError(f"{where}.kwargs.components.{label}: unknown keys "
                                  f"{sorted(set(spec) - {'name', 'weight', 'kwargs'})}; valid: name, weight, kwargs")
+            weight_schedule(spec.get("weight", 1.0), f"{where}.kwargs.components.{label}.weight")
             check_kwargs(REWARDS, spec.get("name", label), spec.get("kwargs"), f"{where}.kwargs.components.{label}",
                           visit)
     unknown = sorted(set(kwargs) - set(params))
@@ -183,4 +184,4 @@ def _call(registry: Registry, name: str, kwargs: dict, where: str, *args):
 def _component(label: str, spec, where: str) -> dict:
     spec = dict(spec or {})
     reward = build_reward(spec.get("name", label), spec.get("kwargs"), f"{where}.kwargs.components.{label}")
-    return {"reward": reward, "weight": float(spec.get("weight", 1.0))}
+    return {"reward": reward, "weight": spec.get("weight", 1.0)}  # a number or [[iteration, weight], ...]

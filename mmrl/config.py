@@ -165,7 +165,7 @@ class AlgoConfig:
     weighting: str = "none"       # WEIGHTINGS key, or keys joined by "+" whose weights multiply (tempflow+guard_dt)
     ratio: str = "none"           # RATIO_TRANSFORMS key: none | gspo (sequence-level ratio)
     reward_shaping: str = "none"  # REWARD_SHAPINGS key applied before advantages: none | tempsamp
-    reward_aggregation: str = "sum"  # REWARD_AGGREGATIONS key for several rewards (reward.name=multi): sum | gdpo
+    reward_aggregation: str = "sum"  # REWARD_AGGREGATIONS key for several rewards (reward.name=multi): sum | gdpo | batch
     shaping_tau: float = 0.8      # TempSamp-R1 soft shaping
     shaping_alpha: float = 1.0
     tgrpo_alpha: float = 0.3      # T-GRPO (reward_shaping=tgrpo): bonus for correct samples of a group whose ordered-
@@ -250,12 +250,13 @@ class Config:
         if self.reward.name == "pairwise" and not self.reward.eval_name:
             raise ValueError("reward.name=pairwise scores samples only against their group: set reward.eval_name "
                              "(e.g. shapes) for the held-out evaluation")
-        if self.algo.reward_aggregation == "gdpo":
+        agg = self.algo.reward_aggregation
+        if agg in ("gdpo", "batch"):
             if self.reward.name != "multi":
-                raise ValueError("algo.reward_aggregation=gdpo normalizes each of several rewards: set reward.name=multi "
-                                 "with reward.kwargs.components, or algo.reward_aggregation=sum")
+                raise ValueError(f"algo.reward_aggregation={agg} normalizes each of several rewards: set "
+                                 "reward.name=multi with reward.kwargs.components, or algo.reward_aggregation=sum")
             if self.algo.reward_shaping != "none" or self.tree.split_steps:
-                raise ValueError("algo.reward_aggregation=gdpo does not combine with algo.reward_shaping or tree "
+                raise ValueError(f"algo.reward_aggregation={agg} does not combine with algo.reward_shaping or tree "
                                  "rollouts: use algo.reward_aggregation=sum")
         if not 0 <= self.reward.max_failed_fraction <= 1:
             raise ValueError(f"reward.max_failed_fraction must be in [0, 1], got {self.reward.max_failed_fraction}")

@@ -5,13 +5,15 @@ components, logged as `reward/<key>`. Registry: REWARDS maps a name to a factory
 built-ins (rewards/) are imported on first use, and `reward.name: my_rewards:MyReward` uses a class from the
 user's own file. A reward that wraps another takes it built (mmrl/compose.py builds it from the config).
 A reward with `needs_groups = True` (pairwise win rates, mmrl/rollout/pairwise.py) is called with the rollout's
-`group_id` as a third argument. MultiReward sums several rewards with weights; the trainer's
-`algo.reward_aggregation` decides whether advantages come from that sum or per component (GDPO).
+`group_id` as a third argument. MultiReward sums several rewards with (scheduled) weights; the trainer's
+`algo.reward_aggregation` decides whether advantages come from that sum, per component within groups (GDPO), or
+from components normalized over the batch first (batch).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable, Protocol, runtime_checkable
 
 import torch
@@ -33,6 +35,10 @@ REWARDS = Registry("reward", {
     "ocr": "rewards.ocr:OCRReward",
     "video_frames": "rewards.video:FrameReward",
     "temporal_consistency": "rewards.video:TemporalConsistency",
+    "geneval": "rewards.geneval:GenEvalReward",
+    "unified_reward": "rewards.judges:UnifiedRewardScore",
+    "hpsv3": "rewards.vlm_reward_models:HPSv3",
+    "video_align": "rewards.vlm_reward_models:VideoAlign",
     "pairwise": "mmrl.rollout.pairwise:PairwiseReward",
     "preference_label": "tasks.preference:PreferenceLabel",
     "multi": "mmrl.reward:MultiReward",
@@ -48,12 +54,42 @@ class Reward(Protocol):
     def __call__(self, outputs, examples: list[dict]) -> dict[str, torch.Tensor]: ...
 
 
+def weight_schedule(value, where: str = "weight") -> Callable[[int], float]:
+    """A component's weight as a function of the training iteration: a number (constant), or a list of
+    [iteration, weight] points, piecewise linear between them and constant before the first and after the last
+    (`[[0, 1.0], [50, 0.0]]`: from 1 at iteration 0 down to 0 at iteration 50, then 0)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        w = float(value)
+        if not math.isfinite(w):
+            raise ValueError(f"{where}={value}: a weight must be finite")
+        return lambda it: w
+    try:
+        points = [(int(i), float(w)) for i, w in value]
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}={value!r}: give a number or a list of [iteration, weight] points, e.g. "
+                         f"[[0, 1.0], [50, 0.0]]") from None
+    its = [i for i, _ in points]
+    if not points or its != sorted(its) or its[0] < 0 or not all(math.isfinite(w) for _, w in points):
+        raise ValueError(f"{where}={value!r}: the points need iterations >= 0 in increasing order and finite weights")
+
+    def at(it: int) -> float:
+        if it <= its[0]:
+            return points[0][1]
+        for (i0, w0), (i1, w1) in zip(points, points[1:]):
+            if it <= i1:
+                return w0 + (w1 - w0) * (it - i0) / max(i1 - i0, 1)
+        return points[-1][1]
+    return at
+
+
 class MultiReward:
     """Several rewards at once. In the config: reward.kwargs.components = {label: {"name": REWARDS key (default:
     the label), "weight": w, "kwargs": {...}}}; mmrl.compose builds each and passes {label: {"reward": object,
     "weight": w}} here. Returns "overall" = sum_k w_k * r_k, each component's overall as "<label>" and its own
-    components as "<label>/<key>". `weights` ({label: w}) is what GDPO aggregation (algo.reward_aggregation)
-    reads. A component that needs groups makes the whole reward need them."""
+    components as "<label>/<key>". `weights` ({label: w}) is what the aggregations of several rewards
+    (algo.reward_aggregation gdpo / batch) read. A weight may be scheduled (`weight_schedule`): the trainer calls
+    `set_iteration(it)` before each iteration's rollout (and logs every weight), so a resumed run has the same
+    weights. A component that needs groups makes the whole reward need them."""
 
     def __init__(self, components: dict):
         if not components:
@@ -62,17 +98,26 @@ class MultiReward:
             if "/" in label:
                 raise ValueError(f"reward component label {label!r} must not contain '/'")
         self.rewards = {label: c["reward"] for label, c in components.items()}
-        self.weights = {label: float(c.get("weight", 1.0)) for label, c in components.items()}
+        self.schedules = {label: weight_schedule(c.get("weight", 1.0), f"reward.kwargs.components.{label}.weight")
+                          for label, c in components.items()}
+        self.iteration = 0
         self.needs_groups = any(getattr(r, "needs_groups", False) for r in self.rewards.values())
 
+    @property
+    def weights(self) -> dict[str, float]:
+        return {label: at(self.iteration) for label, at in self.schedules.items()}
+
+    def set_iteration(self, it: int) -> None:
+        self.iteration = it
+
     def __call__(self, outputs, examples, group_id=None) -> dict[str, torch.Tensor]:
-        out, total = {}, 0.0
+        out, total, weights = {}, 0.0, self.weights
         for label, fn in self.rewards.items():
             r = fn(outputs, examples, group_id) if getattr(fn, "needs_groups", False) else fn(outputs, examples)
             r = RewardRunner._check(r, len(examples))
             out[label] = r["overall"]
             out.update({f"{label}/{k}": v for k, v in r.items() if k != "overall"})
-            total = total + self.weights[label] * r["overall"]
+            total = total + weights[label] * r["overall"]
         return {"overall": total, **out}
 
 

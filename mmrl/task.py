@@ -31,6 +31,7 @@ TASKS = Registry("task", {
     "grounding_world": "tasks.grounding:GroundingWorldTask",
     "arithmetic": "tasks.arithmetic:ArithmeticTask",
     "prompt_file": "mmrl.task:PromptFileTask",
+    "geneval": "tasks.geneval:GenEvalTask",
     "preference_pairs": "tasks.preference:PreferencePairsTask",
 })
 

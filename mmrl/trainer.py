@@ -134,7 +134,10 @@ class Trainer:
         seed = t.seed * 1_000_003 + it  # per-iteration seeds: resuming needs no RNG state
         torch.manual_seed(seed)
         self.policy.iteration = it  # schedules that move with training (sampler.window_schedule=sliding)
+        if hasattr(self.reward_fn, "set_iteration"):  # scheduled reward weights (reward.name=multi)
+            self.reward_fn.set_iteration(it)
         rollout, rewards, valid, metrics = self.collect(random.Random(seed), torch.Generator().manual_seed(seed))
+        metrics.update({f"reward/{k}_weight": w for k, w in (getattr(self.reward_fn, "weights", None) or {}).items()})
         shaping, extra = REWARD_SHAPINGS[a.reward_shaping], ()
         if getattr(shaping, "needs_contrast", False):  # e.g. T-GRPO: the same prompts with shuffled frames
             sample = lambda ex, g: self.policy.sample(ex, g, torch.Generator().manual_seed(seed + 1))  # noqa: E731

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from mmrl.algorithms.advantages import ADVANTAGES, REWARD_AGGREGATIONS
 from mmrl.config import AlgoConfig
-from mmrl.compose import build_reward
+from mmrl.compose import build_reward, check_kwargs
 from mmrl.reward import REWARDS, MultiReward, RewardRunner
 from mmrl.rollout.pairwise import PairwiseReward, RuleJudge, ScoreJudge, all_pairs, win_rates
 from rewards.judges import parse_verdict
@@ -187,6 +187,53 @@ def test_gdpo_keeps_a_small_reward_from_being_drowned():
     gdpo, _ = REWARD_AGGREGATIONS["gdpo"](rewards, {"big": 1.0, "small": 1.0}, gid, valid, cfg, ADVANTAGES["grpo"])
     assert (summed[2] - summed[0]).abs() < 0.02   # the small reward barely moves the summed advantage
     assert (gdpo[2] - gdpo[0]).abs() > 0.9        # GDPO: the small reward's preference counts fully
+
+
+def test_batch_normalization_by_hand_and_against_the_drowning():
+    """batch: each component z-scored over the batch, weighted sum, then the group estimator."""
+    cfg = AlgoConfig()
+    gid, valid = torch.tensor([0, 0, 1, 1]), torch.tensor([True, True, True, True])
+    big, small = torch.tensor([100.0, 0.0, 100.0, 0.0]), torch.tensor([0.0, 0.0, 1.0, 1.0])
+    rewards = {"overall": big + small, "big": big, "small": small}
+    adv, _ = REWARD_AGGREGATIONS["batch"](rewards, {"big": 1.0, "small": 1.0}, gid, valid, cfg, ADVANTAGES["grpo"])
+    # big: mean 50, std 50 -> z = +-50/50.0001; small: mean .5, std .5 -> z = -+.5/.5001; in each group the
+    # sums are [zb + (-zs), -zb + (-zs)] and [zb + zs, -zb + zs]: group z-scores +-zb / (zb + eps) in both
+    zb = 50 / 50.0001
+    want = zb / (zb + 1e-4)
+    torch.testing.assert_close(adv, torch.tensor([want, -want, want, -want]))
+    # where the small reward decides within a group, it is not drowned: the groups [big, small] = [(100, 0), (100, 1)]
+    big2, small2 = torch.tensor([100.0, 100.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0, 1.0])
+    r2 = {"overall": big2 + small2, "big": big2, "small": small2}
+    adv2, _ = REWARD_AGGREGATIONS["batch"](r2, {"big": 1.0, "small": 1.0}, gid, valid, cfg, ADVANTAGES["grpo"])
+    assert adv2[1] - adv2[0] > 1.9 and adv2[3] - adv2[2] > 1.9  # +-1 in both groups
+    # an invalid sample takes no part in the batch statistics and gets 0
+    v3 = torch.tensor([True, True, True, False])
+    adv3, _ = REWARD_AGGREGATIONS["batch"](r2, {"big": 1.0, "small": 1.0}, gid, v3, cfg, ADVANTAGES["grpo"])
+    assert adv3[3] == 0 and adv3[1] > 0 > adv3[0]
+    with pytest.raises(ValueError, match="reward.name=multi"):
+        REWARD_AGGREGATIONS["batch"](rewards, None, gid, valid, cfg, ADVANTAGES["grpo"])
+
+
+def test_scheduled_weights_by_hand():
+    from mmrl.reward import weight_schedule
+
+    at = weight_schedule([[10, 1.0], [30, 0.0], [40, 2.0]])
+    assert [at(i) for i in (0, 10, 20, 25, 30, 35, 40, 99)] == [1.0, 1.0, 0.5, 0.25, 0.0, 1.0, 2.0, 2.0]
+    assert weight_schedule(0.3)(1000) == 0.3
+    for bad in ([[5, 1.0], [2, 0.0]], [[0, "x"]], "ramp", [[-1, 1.0]], float("nan")):
+        with pytest.raises(ValueError, match="weight"):
+            weight_schedule(bad)
+    m = build_reward("multi", {"components": {"a": {"name": "test_column", "weight": [[0, 1.0], [4, 0.0]]},
+                                              "b": {"name": "test_column", "weight": 2.0, "kwargs": {"col": 1}}}})
+    x = torch.tensor([[1.0, 3.0]])
+    assert m.weights == {"a": 1.0, "b": 2.0} and m(x, [{}])["overall"].item() == 7.0
+    m.set_iteration(1)
+    assert m.weights == {"a": 0.75, "b": 2.0} and m(x, [{}])["overall"].item() == 6.75
+    m.set_iteration(9)
+    assert m(x, [{}])["overall"].item() == 6.0
+    with pytest.raises(ValueError, match="components.a.weight"):  # refused when the config is checked
+        check_kwargs(REWARDS, "multi", {"components": {"a": {"name": "test_column", "weight": [[3, 1], [1, 0]]}}},
+                     "reward")
 
 
 # ----------------------------------------------------------------------------------- the Qwen-VL judge

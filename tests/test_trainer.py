@@ -163,10 +163,12 @@ def test_pairwise_multi_gdpo_remote_and_overlap_through_the_trainer(tiny_pixel_m
              '"stable": {"name": "temporal_consistency", "weight": 0.1}}}')
     with pytest.raises(ValueError, match="N, 3, F, H, W"):  # images are not videos: the component says so
         Trainer(cfg_for(tiny_pixel_model, tmp_path, "reward.name=multi", multi, "reward.on_error=raise")).step(0)
-    multi = 'reward.kwargs={"components": {"shapes": {"weight": 1.0}, "sat": {"name": "shapes", "weight": 0.5, "kwargs": {"strict_weight": 0.0}}}}'
+    multi = ('reward.kwargs={"components": {"shapes": {"weight": 1.0}, "sat": {"name": "shapes", '
+             '"weight": [[0, 0.5], [10, 0.0]], "kwargs": {"strict_weight": 0.0}}}}')  # a scheduled weight
     m = Trainer(cfg_for(tiny_pixel_model, tmp_path, "reward.name=multi", multi, "algo.reward_aggregation=gdpo",
-                        "train.iterations=1", "log.eval_at_start=false")).step(0)
+                        "train.iterations=1", "log.eval_at_start=false")).step(4)
     assert {"reward/shapes_mean", "reward/sat_mean", "reward/shapes/strict_mean"} <= set(m)
+    assert m["reward/shapes_weight"] == 1.0 and m["reward/sat_weight"] == pytest.approx(0.3)  # iteration 4 of 10
     # a remote reward scored in the thread pool while the next chunk samples
     srv = RewardServer(REWARDS["shapes"]()).start()
     try:

@@ -84,6 +84,23 @@ def gdpo(rewards: dict, weights: dict | None, group_id, valid, cfg, estimator):
     return adv.float(), stats
 
 
+@REWARD_AGGREGATIONS.register("batch")
+def batch_normalized(rewards: dict, weights: dict | None, group_id, valid, cfg, estimator):
+    """Each component z-scored over the valid samples of the batch (every group, every rank: the trainer
+    gathers the rows first), S = sum_k w_k * z_k, then S through the estimator within its groups. The
+    components' scales no longer decide their share (a reward in [0, 100] does not drown one in [0, 1]) while
+    the groups still compare their own samples."""
+    if not weights:
+        raise ValueError("algo.reward_aggregation=batch needs several weighted rewards: set reward.name=multi")
+    total = torch.zeros_like(rewards["overall"], dtype=torch.float64)
+    for k, w in weights.items():
+        r = rewards[k].double()
+        v = r[valid]
+        mean, std = (v.mean(), v.std(unbiased=False)) if v.numel() else (0.0, 1.0)
+        total += w * (r - mean) / (std + cfg.adv_eps)
+    return estimator(torch.where(valid, total, torch.zeros_like(total)).float(), group_id, valid, cfg)
+
+
 # ------------------------------------------------------------------ credit assignment: advantages per action
 # A rule `(rewards {key: [N]} with "overall" already shaped, weights, rollout, valid [N], cfg, iteration)
 # -> (advantages [N] or [N, A], stats)`. `group`: one advantage per sample from its group (every trained
