@@ -87,12 +87,15 @@ def tiny(seed: int = 0, two_experts: bool = False):
 WAN21_14B = dict(patch_size=[1, 2, 2], num_attention_heads=40, attention_head_dim=128, in_channels=16,
                  out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
                  qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers, transformer/config.json: dim 1536 (12 heads x 128), ffn 8960, 30 layers
+WAN21_1_3B = {**WAN21_14B, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}
 UMT5_XXL = {**T5_XXL, "vocab_size": 256384}
 
 FAMILY = Family(
     name="wan", pipelines=("WanPipeline",), transformer="WanTransformer3DModel", load=load,
     lora_targets=LORA_TARGETS, plan_inputs=plan_inputs, lora_pipeline="WanPipeline", tiny=tiny,
     architectures={
+        "wan21-1.3b": {"config": WAN21_1_3B},  # the 1.3 B model of configs/t2v/wan_lora.yaml
         "wan21-14b": {"config": WAN21_14B},  # Wan-AI/Wan2.1-T2V-14B-Diffusers, transformer/config.json (14.3 B)
         # Wan-AI/Wan2.2-T2V-A14B-Diffusers: two transformers of the Wan2.1-14B architecture (Wan-Video/Wan2.2
         # wan/configs/wan_t2v_A14B.py), the high-noise expert for t >= 0.875 and the low-noise one below, one per
