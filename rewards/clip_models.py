@@ -216,11 +216,12 @@ class PickScore:
         if self.model is None:
             from transformers import AutoTokenizer, CLIPImageProcessor, CLIPModel
 
-            self.model = CLIPModel.from_pretrained(self.path).to(self.device).eval().requires_grad_(False)
+            model = CLIPModel.from_pretrained(self.path).to(self.device).eval().requires_grad_(False)
             self.tokenizer = AutoTokenizer.from_pretrained(self.processor_path)
             ip = CLIPImageProcessor.from_pretrained(self.processor_path)
             crop = ip.crop_size if isinstance(ip.crop_size, int) else ip.crop_size["height"]
             self.size, self.mean, self.std = crop, ip.image_mean, ip.image_std
+            self.model = model  # last: a load that failed half-way is tried again, not half used
         return self.model
 
     @torch.no_grad()

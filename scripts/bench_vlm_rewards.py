@@ -62,11 +62,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="tiny model, 4 samples, 2 s per arm")
     args = p.parse_args(argv)
-    import sys
-
     import torch
 
-    sys.path.insert(0, ROOT)
     from mmrl.reward_server import RemoteReward, RewardServer
     from rewards.vlm_reward_models import HPSv3, VideoAlign
 

@@ -5,10 +5,13 @@
     python scripts/gpu_check.py --device cpu     # the same iterations on CPU (no CUDA needed; what CI runs)
 
 1. `pytest -m gpu tests/test_device.py`: the trainer's real step with the policy on CUDA, equal to the CPU step.
-2. Two training iterations of every shipped GPU config (SD3.5 Flow-GRPO and MixGRPO-Flash, FLUX.1, FLUX.2-dev and
-   klein, FLUX.1 Kontext and Qwen-Image-Edit editing, Wan2.x T2V and I2V, Qwen-Image DiffusionNFT, Z-Image AWM,
-   Qwen2.5-VL grounding, SmolLM2 arithmetic) on tiny random-init pipelines of the same real classes (each model
-   family's tiny builder), in bf16 with gradient checkpointing and micro-batches, the second timed; peak memory is torch.cuda.max_memory_allocated (on CPU: the resident peak).
+2. Two training iterations of every shipped GPU config (SD3.5 Flow-GRPO on GenEval, PickScore, OCR and GenEval +
+   PickScore, and MixGRPO-Flash, FLUX.1, FLUX.2-dev and klein, FLUX.1 Kontext and Qwen-Image-Edit editing, Wan2.x T2V
+   (also with VideoAlign) and I2V, Qwen-Image DiffusionNFT, Z-Image AWM, Qwen2.5-VL grounding, SmolLM2 arithmetic)
+   on tiny random-init pipelines of the same real classes (each model family's tiny builder; the recipes' reward
+   models likewise, mmrl/testing/tiny_rewards.py), in bf16 with gradient checkpointing and micro-batches, the
+   second timed; peak memory is torch.cuda.max_memory_allocated (on CPU: the resident peak). `--only sd35 wan`
+   runs the configs whose name contains one of the words.
 Exits 2 when CUDA is asked for and absent. The last line is one JSON object.
 """
 
@@ -27,6 +30,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # config -> the tiny model (a family's name, or a token model) whose overrides point it at the tiny model and world
 GPU_CONFIGS = {
     "t2i/sd35_geneval_lora": "sd3",
+    "t2i/sd35_pickscore_lora": "sd3",
+    "t2i/sd35_ocr_lora": "sd3",
+    "t2i/sd35_geneval_pickscore_lora": "sd3",
+    "t2v/wan_videoalign_lora": "wan",
     "t2i/flux_lora": "flux",
     "t2i/sd35_mixgrpo_flash_lora": "sd3_flash",
     "t2i/qwen_image_nft_lora": "qwen_image",
@@ -40,6 +47,27 @@ GPU_CONFIGS = {
     "grounding/charades_qwen25vl_lora": "qwen_vl",
     "text/smollm2_arithmetic": "causal_lm",
 }
+# config -> the tiny stand-ins of its reward models (mmrl/testing/tiny_rewards.py) and its prompts
+RECIPE_REWARDS = {"t2i/sd35_geneval_lora": "geneval", "t2i/sd35_mixgrpo_flash_lora": "geneval",
+                  "t2i/sd35_pickscore_lora": "pickscore", "t2i/sd35_geneval_pickscore_lora": "geneval_pickscore",
+                  "t2i/sd35_ocr_lora": "ocr", "t2v/wan_videoalign_lora": "video_align"}
+
+
+def recipe_overrides(tmp: str, device: str) -> dict[str, list[str]]:
+    """The real recipes' rewards on tiny stand-ins, and prompt files for those that read one."""
+    from mmrl.testing.tiny_rewards import recipe_reward_overrides
+
+    rewards = recipe_reward_overrides(os.path.join(tmp, "rewards"), device)
+    prompts = {"pickscore": ["a cat on a sofa", "a red car at night", "two dogs in the snow"],
+               "ocr": ['a sign that says "OPEN"', 'a mug with "MMRL" on it', 'a poster reading "HELLO"'],
+               "video_align": ["a red circle moving left", "a blue square moving up", "a car driving by"]}
+    for kind, texts in prompts.items():
+        path = os.path.join(tmp, f"{kind}_prompts.txt")
+        with open(path, "w") as f:
+            f.write("\n".join(texts) + "\n")
+        rewards.setdefault(kind, []).extend([f"task.prompt_file={path}", f"task.kwargs.eval_file={path}"]
+                                            if kind != "video_align" else [f"task.prompt_file={path}"])
+    return {config: rewards[kind] for config, kind in RECIPE_REWARDS.items()}
 
 
 def build_models(tmp: str) -> dict[str, list[str]]:
@@ -127,6 +155,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--quick", action="store_true", help="skip the pytest device tests")
+    p.add_argument("--only", nargs="+", default=None, help="only the configs whose name contains one of these")
     args = p.parse_args()
     import torch
 
@@ -142,11 +171,14 @@ def main() -> int:
                            capture_output=True, text=True)
         result["device_tests"] = {"returncode": r.returncode, "summary": r.stdout.strip().splitlines()[-1:]}
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = build_models(tmp)
+        overrides, rewards = build_models(tmp), recipe_overrides(tmp, args.device)
         result["configs"] = {}
         for config, model in GPU_CONFIGS.items():
+            if args.only and not any(word in config for word in args.only):
+                continue
             try:
-                res = one_iteration(config, overrides[model], args.device, os.path.join(tmp, "run", model))
+                res = one_iteration(config, overrides[model] + rewards.get(config, []), args.device,
+                                    os.path.join(tmp, "run", model))
             except Exception as e:  # noqa: BLE001 - report every config, then fail
                 res = {"error": f"{type(e).__name__}: {e}"}
             result["configs"][config] = res

@@ -239,33 +239,20 @@ def test_geneval_rules_agree_with_shapes_rules_on_renders():
 
 
 # ------------------------------------------------------------------------------------------------ models
-WORDS = "a photo of an the dog cat car red orange yellow green blue purple pink brown black white object colored -"
 
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     """Folders of tiny random-init OWLv2, Grounding DINO and CLIPModel (real classes, local tokenizers)."""
-    from transformers import (BertTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel, GroundingDinoConfig,
-                              GroundingDinoForObjectDetection, GroundingDinoImageProcessor, GroundingDinoProcessor,
-                              Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor)
+    from transformers import BertTokenizer, GroundingDinoConfig, GroundingDinoForObjectDetection, \
+        GroundingDinoImageProcessor, GroundingDinoProcessor
 
-    from mmrl.models.qwen_vl import build_tokenizer
+    from mmrl.testing.tiny_rewards import WORDS, tiny_clip, tiny_owlv2
 
     root = tmp_path_factory.mktemp("geneval")
-    tok = build_tokenizer([WORDS] * 4, vocab_size=300)
-    tok.padding_side, tok.model_max_length = "right", 16  # OWLv2 masks a query whose first token is padding
-    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                max_position_embeddings=16, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                bos_token_id=tok.pad_token_id)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
-                  patch_size=8)
+    tiny_owlv2(str(root / "owlv2"))
+    tiny_clip(str(root / "clip"))
     torch.manual_seed(0)
-    Owlv2ForObjectDetection(Owlv2Config(text_config=text, vision_config=vision, projection_dim=32)).save_pretrained(
-        root / "owlv2")
-    Owlv2Processor(Owlv2ImageProcessor(size={"height": 32, "width": 32}), tok).save_pretrained(root / "owlv2")
-    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(root / "clip")
-    tok.save_pretrained(root / "clip")
-    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(root / "clip")
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "."] + WORDS.split()
     bert = BertTokenizer(vocab={w: i for i, w in enumerate(vocab)})
     gd = GroundingDinoConfig(

@@ -21,7 +21,8 @@ def run(*args):
                                     "scripts/export_smollm2.py", "benchmarks/bench_rollout.py", "scripts/bench_motion.py",
                                     "scripts/bench_pairwise.py", "benchmarks/bench_reward_server.py",
                                     "benchmarks/bench_memory.py", "scripts/gpu_check.py", "scripts/compare_flow_rl.py",
-                                    "scripts/bench_text_length.py"])
+                                    "scripts/bench_text_length.py", "scripts/bench_judges.py",
+                                    "scripts/bench_vlm_rewards.py", "scripts/geneval_agreement.py"])
 def test_help(script):
     r = run(script, "--help")
     assert r.returncode == 0 and "usage" in r.stdout
@@ -181,3 +182,22 @@ def test_bench_text_length_quick():
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(got["seconds"]) == {"256", "128"} and got["speedup"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["scripts/bench_judges.py", "scripts/bench_vlm_rewards.py",
+                                    "scripts/geneval_agreement.py"])
+def test_reward_benchmarks_quick(script):
+    r = run(script, "--quick")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert isinstance(json.loads(r.stdout.strip().splitlines()[-1]), dict)
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_the_reward_recipes_on_cpu():
+    """Two iterations of each real recipe whose reward is a model (GenEval, PickScore, OCR, GenEval + PickScore,
+    VideoAlign) on tiny stand-ins of the policy and the reward models (about 2 minutes)."""
+    r = run("scripts/gpu_check.py", "--device", "cpu", "--quick", "--only", "sd35", "videoalign")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(res["configs"]) == 6 and all(c["optimizer_steps"] > 0 for c in res["configs"].values())

@@ -58,6 +58,11 @@ def dr_grpo(rewards, group_id, valid, cfg):
 REWARD_AGGREGATIONS = Registry("reward aggregation")
 
 
+def component(rewards: dict, key: str) -> torch.Tensor:
+    """A weighted component's rewards [N]; absent when every sample's reward failed (all invalid): zeros."""
+    return rewards[key] if key in rewards else torch.zeros_like(rewards["overall"])
+
+
 @REWARD_AGGREGATIONS.register("sum")
 def weighted_sum(rewards: dict, weights: dict | None, group_id, valid, cfg, estimator):
     """Reward-level aggregation: the weighted sum rewards["overall"] goes through the estimator once."""
@@ -73,7 +78,7 @@ def gdpo(rewards: dict, weights: dict | None, group_id, valid, cfg, estimator):
     total = torch.zeros_like(rewards["overall"], dtype=torch.float64)
     stats = {}
     for k, w in weights.items():
-        a_k, s_k = estimator(rewards[k], group_id, valid, cfg)
+        a_k, s_k = estimator(component(rewards, k), group_id, valid, cfg)
         total += w * a_k.double()
         stats[f"adv/{k}/zero_std_group_frac"] = s_k["adv/zero_std_group_frac"]
     v = total[valid]
@@ -94,7 +99,7 @@ def batch_normalized(rewards: dict, weights: dict | None, group_id, valid, cfg, 
         raise ValueError("algo.reward_aggregation=batch needs several weighted rewards: set reward.name=multi")
     total = torch.zeros_like(rewards["overall"], dtype=torch.float64)
     for k, w in weights.items():
-        r = rewards[k].double()
+        r = component(rewards, k).double()
         v = r[valid]
         mean, std = (v.mean(), v.std(unbiased=False)) if v.numel() else (0.0, 1.0)
         total += w * (r - mean) / (std + cfg.adv_eps)
