@@ -22,7 +22,6 @@ import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def build_base(path: str, size: str) -> str:
