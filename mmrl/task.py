@@ -140,17 +140,20 @@ def _decode(path: str) -> str:
                          f"`iconv -f latin1 -t utf-8 {path} > utf8_{os.path.basename(path)}`)") from None
 
 
-def _read_jsonl(path: str, text: str, prompt_column: str) -> list[dict]:
-    examples = []
+def jsonl_rows(path: str, text: str, expected: str = FORMATS[".jsonl"]):
+    """(where "path:line", object) for each non-empty line of a JSONL text; a line that is not JSON raises naming
+    it and what was `expected`."""
     for i, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            yield f"{path}:{i}", json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}); expected {FORMATS['.jsonl']}") from None
-        examples.append(_example(row, prompt_column, f"{path}:{i}"))
-    return examples
+            raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}); expected {expected}") from None
+
+
+def _read_jsonl(path: str, text: str, prompt_column: str) -> list[dict]:
+    return [_example(row, prompt_column, where) for where, row in jsonl_rows(path, text)]
 
 
 def _read_csv(path: str, text: str, prompt_column: str, delimiter: str) -> list[dict]:

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 
-from mmrl.task import split_heldout
+from mmrl.task import jsonl_rows, split_heldout
 from rewards.geneval import check_metadata
 
 log = logging.getLogger(__name__)
@@ -25,16 +25,9 @@ def read_metadata(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"task.kwargs.metadata={path!r} does not exist; give a GenEval "
                                 f"evaluation_metadata.jsonl (default: {METADATA})")
-    rows = []
     with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-            rows.append(check_metadata(row, f"{path}:{i}"))
+        rows = [check_metadata(row, where) for where, row in jsonl_rows(path, f.read(), "one GenEval metadata "
+                                                                         "object per line")]
     if not rows:
         raise ValueError(f"{path} has no metadata rows")
     return rows
