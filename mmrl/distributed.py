@@ -223,7 +223,8 @@ class Distributed:
         local_rows = where[off:off + len(real)]
 
         def cat(key):  # every rank's values of `key`, in the single-process order
-            ts = [p[key] for p in parts]
+            # a reward key a rank lacks (its whole batch of that component failed: invalid rows) is zeros there
+            ts = [p[key] if key in p else torch.zeros(len(p["group_id"])) for p in parts]
             if ts[0].dim() > 1:  # [n_r, A_r]: pad to the widest
                 width = max(t.shape[1] for t in ts)
                 ts = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in ts]
@@ -233,7 +234,8 @@ class Distributed:
         everyone = Rollout(group_id=cat("group_id"), old_log_prob=cat("old_log_prob"), action_mask=cat("action_mask"),
                            examples=[{"category": cats[i]} for i in order.tolist()], outputs=None,
                            extras={k: cat(f"extras/{k}") for k in extras}, is_offpolicy=cat("is_offpolicy"))
-        return everyone, {k: cat(f"rewards/{k}") for k in rewards}, cat("valid"), local_rows
+        keys = sorted({k[len("rewards/"):] for p in parts for k in p if k.startswith("rewards/")})
+        return everyone, {k: cat(f"rewards/{k}") for k in keys}, cat("valid"), local_rows
 
     @staticmethod
     def local_rows(mine, everyone, rows: torch.Tensor, adv: torch.Tensor, overall: torch.Tensor):

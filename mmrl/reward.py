@@ -49,7 +49,8 @@ REWARDS = Registry("reward", {
 @runtime_checkable
 class Reward(Protocol):
     """What the trainer calls. Optional attributes: `needs_groups` (called with group_id as a third argument),
-    `per_sample_retry = False` (never re-scored sample by sample), `weights` ({component: w}, read by GDPO)."""
+    `per_sample_retry = False` (never re-scored sample by sample). Several rewards with weights are a MultiReward,
+    whose weights the aggregations of several rewards read."""
 
     def __call__(self, outputs, examples: list[dict]) -> dict[str, torch.Tensor]: ...
 
@@ -65,6 +66,8 @@ def weight_schedule(value, where: str = "weight") -> Callable[[int], float]:
         return lambda it: w
     try:
         points = [(int(i), float(w)) for i, w in value]
+        if any(float(i) != int(i) for i, _ in value):
+            raise ValueError
     except (TypeError, ValueError):
         raise ValueError(f"{where}={value!r}: give a number or a list of [iteration, weight] points, e.g. "
                          f"[[0, 1.0], [50, 0.0]]") from None

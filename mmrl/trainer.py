@@ -33,7 +33,7 @@ from mmrl.metrics import Logger, SignalWatch, Timer, per_category, perf
 from mmrl.rollout.collect import Collector
 from mmrl.rollout.contrast import contrast_rollout
 from mmrl.optim import EMA, lr_scale
-from mmrl.reward import RewardRunner
+from mmrl.reward import MultiReward, RewardRunner
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +134,12 @@ class Trainer:
         seed = t.seed * 1_000_003 + it  # per-iteration seeds: resuming needs no RNG state
         torch.manual_seed(seed)
         self.policy.iteration = it  # schedules that move with training (sampler.window_schedule=sliding)
-        if hasattr(self.reward_fn, "set_iteration"):  # scheduled reward weights (reward.name=multi)
+        weights = None
+        if isinstance(self.reward_fn, MultiReward):  # several rewards: their (scheduled) weights at this iteration
             self.reward_fn.set_iteration(it)
+            weights = self.reward_fn.weights
         rollout, rewards, valid, metrics = self.collect(random.Random(seed), torch.Generator().manual_seed(seed))
-        metrics.update({f"reward/{k}_weight": w for k, w in (getattr(self.reward_fn, "weights", None) or {}).items()})
+        metrics.update({f"reward/{k}_weight": w for k, w in (weights or {}).items()})
         shaping, extra = REWARD_SHAPINGS[a.reward_shaping], ()
         if getattr(shaping, "needs_contrast", False):  # e.g. T-GRPO: the same prompts with shuffled frames
             sample = lambda ex, g: self.policy.sample(ex, g, torch.Generator().manual_seed(seed + 1))  # noqa: E731
@@ -153,7 +155,7 @@ class Trainer:
             extra = ((rollout.group_id, *extra),)
         metrics["rollout/actions_mean"] = rollout.action_mask.sum(-1).float().mean().item()  # tokens: completion length
         shaped = shaping(rewards["overall"], a, *extra)
-        adv, adv_stats = self.credit({**rewards, "overall": shaped}, getattr(self.reward_fn, "weights", None), rollout,
+        adv, adv_stats = self.credit({**rewards, "overall": shaped}, weights, rollout,
                                      valid, cfg, it)  # [N] or [N, A] (tree rollouts: per transition)
         adv_fn = lambda r, g, v: ADVANTAGES[a.advantage](r, g, v, a)[0]  # noqa: E731
         self.watch(valid, adv, self.reward.last_error)
@@ -303,6 +305,8 @@ class Trainer:
         # a sample whose reward fails scores 0 (logged); at the start a failing reward stops at its first failure
         on_error = self.eval_reward.on_error
         self.eval_reward.on_error = "raise" if step == 0 else on_error
+        if isinstance(self.eval_reward.fn, MultiReward):  # scheduled weights as at this step (also after a resume)
+            self.eval_reward.fn.set_iteration(step)
         try:
             with self.ema_weights():
                 res = evaluate_outputs(self.policy.evaluate, self.task.eval_examples(),

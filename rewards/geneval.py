@@ -239,9 +239,9 @@ class _OwlV2:
         if self.model is None:
             from transformers import Owlv2ForObjectDetection, Owlv2Processor
 
-            self.model = Owlv2ForObjectDetection.from_pretrained(self.path, use_safetensors=True)
-            self.model = self.model.to(self.device).eval().requires_grad_(False)
             self.processor = Owlv2Processor.from_pretrained(self.path)
+            model = Owlv2ForObjectDetection.from_pretrained(self.path, use_safetensors=True)
+            self.model = model.to(self.device).eval().requires_grad_(False)  # last: a half-failed load is retried
         queries = [self.template.format(c) for c in classes]
         inputs = self.processor(text=[queries] * len(images), images=list(images), truncation=True,
                                 return_tensors="pt")  # OWLv2 reads 16 text tokens
@@ -264,9 +264,9 @@ class _GroundingDino:
         if self.model is None:
             from transformers import AutoProcessor, GroundingDinoForObjectDetection
 
-            self.model = GroundingDinoForObjectDetection.from_pretrained(self.path, use_safetensors=True)
-            self.model = self.model.to(self.device).eval().requires_grad_(False)
             self.processor = AutoProcessor.from_pretrained(self.path)
+            model = GroundingDinoForObjectDetection.from_pretrained(self.path, use_safetensors=True)
+            self.model = model.to(self.device).eval().requires_grad_(False)  # last: a half-failed load is retried
         names = [c.strip().lower() for c in classes]
         text = ". ".join(names) + "."
         inputs = self.processor(images=list(images), text=[text] * len(images), return_tensors="pt")
@@ -323,12 +323,12 @@ class _ClipColors:
         if self.model is None:
             from transformers import AutoTokenizer, CLIPImageProcessor, CLIPModel
 
-            self.model = CLIPModel.from_pretrained(self.path, use_safetensors=True)
-            self.model = self.model.to(self.device).eval().requires_grad_(False)
             self.tokenizer = AutoTokenizer.from_pretrained(self.path)
             ip = CLIPImageProcessor.from_pretrained(self.path)
             crop = ip.crop_size if isinstance(ip.crop_size, int) else ip.crop_size["height"]
             self.size, self.mean, self.std = crop, ip.image_mean, ip.image_std
+            model = CLIPModel.from_pretrained(self.path, use_safetensors=True)
+            self.model = model.to(self.device).eval().requires_grad_(False)  # last: a half-failed load is retried
         return self.model
 
     @torch.no_grad()

@@ -178,15 +178,18 @@ class ChatVLM:
     """A Qwen-VL folder answering user turns greedily. A turn is (media, text): media a list of PIL images and
     video frame tensors [F, 3, H, W] (0..255), shown in order before the text.
 
-    min_pixels / max_pixels: forwarded to the processor when set. video_fps: the frame rate the processor is told
-    for video inputs (Qwen2.5-VL / Qwen3-VL read time from it). trust_remote_code stays off unless asked."""
+    min_pixels / max_pixels: forwarded to the processor when set. Video inputs: `clip_fps` is the frame rate of
+    the given clips (the generator's, e.g. 16 for Wan); their frames are then sampled uniformly at `video_fps`
+    (2, the rate the public scripts' qwen-vl-utils samples at; at least 4 frames, an even count) and the processor
+    is told that rate (Qwen2.5-VL / Qwen3-VL read time from it). Without clip_fps every frame is shown and the
+    processor is told `video_fps`: set it to the clips' rate then. trust_remote_code stays off unless asked."""
 
     def __init__(self, path: str, device: str = "cpu", dtype: str = "float32", max_new_tokens: int = 512,
                  min_pixels: int | None = None, max_pixels: int | None = None, trust_remote_code: bool = False,
-                 video_fps: float = 2.0):
+                 video_fps: float = 2.0, clip_fps: float | None = None):
         self.path, self.device, self.dtype, self.max_new_tokens = path, device, getattr(torch, dtype), max_new_tokens
         self.pixels = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
-        self.trust_remote_code, self.video_fps = trust_remote_code, video_fps
+        self.trust_remote_code, self.video_fps, self.clip_fps = trust_remote_code, video_fps, clip_fps
         self.model = self.processor = None
 
     def load(self):
@@ -209,7 +212,7 @@ class ChatVLM:
             msgs = [{"role": "user", "content": content + [{"type": "text", "text": text}]}]
             texts.append(proc.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
             images += [m for m in media if not isinstance(m, torch.Tensor)]
-            videos += [m for m in media if isinstance(m, torch.Tensor)]
+            videos += [self.sampled(m) for m in media if isinstance(m, torch.Tensor)]
         kw = dict(self.pixels)
         if images:
             kw["images"] = images
@@ -218,6 +221,14 @@ class ChatVLM:
                     for v in videos]
             kw.update(videos=videos, video_metadata=meta, do_sample_frames=False)
         return proc(text=texts, padding=True, return_tensors="pt", **kw).to(self.device)
+
+    def sampled(self, frames: torch.Tensor) -> torch.Tensor:
+        """A clip's frames [F, 3, H, W] sampled at video_fps when its own rate (clip_fps) is known."""
+        if not self.clip_fps:
+            return frames
+        from rewards.vlm_reward_models import frame_indices
+
+        return frames[frame_indices(len(frames), None, self.video_fps, self.clip_fps)]
 
     @torch.no_grad()
     def generate(self, turns: list[tuple[list, str]], batch_size: int) -> list[str]:
@@ -256,11 +267,12 @@ class VLMJudge:
     def __init__(self, path: str, max_new_tokens: int = 512, batch_size: int = 8, device: str = "cpu",
                  dtype: str = "float32", prompt: str | None = None, style: str = "default",
                  min_pixels: int | None = None, max_pixels: int | None = None, trust_remote_code: bool = False,
-                 num_frames: int | None = None, video_fps: float = 2.0):
+                 num_frames: int | None = None, video_fps: float = 2.0, clip_fps: float | None = None):
         self.style = PAIRWISE_STYLES[style]
         self.prompt, self.batch_size = prompt or self.style.prompt, batch_size
         self.frames = num_frames or self.style.frames
-        self.vlm = ChatVLM(path, device, dtype, max_new_tokens, min_pixels, max_pixels, trust_remote_code, video_fps)
+        self.vlm = ChatVLM(path, device, dtype, max_new_tokens, min_pixels, max_pixels, trust_remote_code, video_fps,
+                           clip_fps)
         self.unparseable = 0
         self.last_texts: list[str] = []
 
@@ -310,7 +322,7 @@ class UnifiedRewardScore:
                  max_new_tokens: int = 512, style: str = "unified_reward", prompt: str | None = None,
                  scale: float | None = None, weights: dict | None = None, min_pixels: int | None = None,
                  max_pixels: int | None = None, num_frames: int | None = None, video_fps: float = 2.0,
-                 trust_remote_code: bool = False):
+                 clip_fps: float | None = None, trust_remote_code: bool = False):
         self.style = POINTWISE_STYLES[style]
         unknown = set(weights or {}) - set(self.style.scores)
         if unknown:
@@ -322,7 +334,8 @@ class UnifiedRewardScore:
         self.prompt, self.batch_size = prompt or self.style.prompt, batch_size
         self.scale = 1.0 / self.style.hi if scale is None else scale
         self.frames = num_frames or self.style.frames
-        self.vlm = ChatVLM(path, device, dtype, max_new_tokens, min_pixels, max_pixels, trust_remote_code, video_fps)
+        self.vlm = ChatVLM(path, device, dtype, max_new_tokens, min_pixels, max_pixels, trust_remote_code, video_fps,
+                           clip_fps)
         self.unparseable = 0
         self.last_texts: list[str] = []
 

@@ -107,9 +107,6 @@ END
 """
 
 DIMENSIONS = ("VQ", "MQ", "TA")
-# VideoReward's model_config.json "inference_config" (raw score -> (score - mean) / std), as quoted by several public
-# integrations of the released checkpoint; the file's own values win when it is given
-VIDEOALIGN_NORM = {"VQ": (3.6757, 2.2476), "MQ": (1.1646, 1.3811), "TA": (2.8105, 2.5121)}
 VIDEO_MIN_PIXELS = 128 * 28 * 28  # qwen-vl-utils' per-frame floor (VideoAlign's messages set only max_pixels)
 
 
@@ -245,7 +242,7 @@ class QwenVLScorer:
             raise ValueError(f"{self.name}: the tokenizer in {self.path} has no {', '.join(self.reward_tokens)}: this "
                              f"is a base Qwen2-VL folder; pass the released checkpoint as `checkpoint`")
         tok.add_special_tokens({"additional_special_tokens": list(self.reward_tokens)})  # the public code's step
-        model = Qwen2VLForConditionalGeneration.from_pretrained(self.path, dtype=self.dtype)
+        model = Qwen2VLForConditionalGeneration.from_pretrained(self.path, dtype=self.dtype, use_safetensors=True)
         if self.checkpoint_state is not None:
             state, source = self.checkpoint_state(), "the checkpoint"
         else:
@@ -416,10 +413,11 @@ class VideoAlign:
     """VideoAlign's VideoReward: `(videos [N, 3, F, H, W] in [-1, 1], examples) -> {"overall", "VQ", "MQ", "TA"}`.
 
     VQ (visual quality), MQ (motion quality), TA (text alignment) are the head's outputs at <|VQ_reward|>,
-    <|MQ_reward|>, <|TA_reward|>, standardized with the checkpoint's statistics ((raw - mean) / std; `normalize`);
+    <|MQ_reward|>, <|TA_reward|>, standardized with the checkpoint's statistics ((raw - mean) / std from
+    model_config.json's inference_config; raw without them, as the public inference; `normalize`);
     overall = sum_d weights[d] * d (the public "Overall" is the plain sum: weights 1, 1, 1). Frames are sampled
-    uniformly at `fps` of the source video (video_fps: the generator's frame rate) or `num_frames`, and resized to at
-    most `max_frame_pixels` (at least `min_frame_pixels`) per frame.
+    uniformly at `fps` of the source video (video_fps: the generator's frame rate) or `num_frames`, and resized to
+    at most `max_frame_pixels` (at least `min_frame_pixels`) per frame.
 
     Args:
         path: a Qwen2-VL-2B-Instruct folder (with `checkpoint`), or a folder holding the whole reward model.
@@ -428,7 +426,7 @@ class VideoAlign:
         device, dtype, batch_size: where, how and how many videos per forward.
         fps (default 2.0), video_fps, num_frames: frame sampling (give num_frames or video_fps, not fps and num_frames).
         max_frame_pixels (default 448 * 448), min_frame_pixels: per-frame area bounds.
-        weights: {"VQ": w, "MQ": w, "TA": w} for overall (also read by GDPO aggregation).
+        weights: {"VQ": w, "MQ": w, "TA": w} for overall.
         normalize: standardize the three scores; lora_scale: alpha / r when no model_config.json says it.
         random_head: allow a folder without the head (scores are noise; tests, smoke runs).
     """
@@ -453,7 +451,8 @@ class VideoAlign:
             raise ValueError("video_align samples frames at fps of the source video: pass video_fps (the "
                              "generator's frame rate) or num_frames")
         inf = config.get("inference_config") or {}
-        self.norm = {d: (inf[f"{d}_mean"], inf[f"{d}_std"]) if f"{d}_mean" in inf else VIDEOALIGN_NORM[d]
+        # the checkpoint's own statistics; without them the raw scores, as VideoAlign's inference.py does
+        self.norm = {d: (inf[f"{d}_mean"], inf[f"{d}_std"]) if f"{d}_mean" in inf else (0.0, 1.0)
                      for d in DIMENSIONS}
         self.normalize = normalize
         self.weights = {d: 1.0 for d in DIMENSIONS} if weights is None else {k: float(v) for k, v in weights.items()}

@@ -214,6 +214,17 @@ def test_batch_normalization_by_hand_and_against_the_drowning():
         REWARD_AGGREGATIONS["batch"](rewards, None, gid, valid, cfg, ADVANTAGES["grpo"])
 
 
+def test_joined_rewards_keep_every_component():
+    """A chunk whose reward failed on every sample has only "overall" (its rows invalid): joined with chunks that
+    scored, every component stays, zeros on the failed rows (gdpo / batch read components by name)."""
+    from mmrl.rollout.collect import join_rewards
+
+    ok = {"overall": torch.tensor([1.0, 2.0]), "a": torch.tensor([0.5, 0.25])}
+    failed = {"overall": torch.zeros(3)}
+    got = join_rewards([ok, failed, ok])
+    assert sorted(got) == ["a", "overall"] and got["a"].tolist() == [0.5, 0.25, 0, 0, 0, 0.5, 0.25]
+
+
 def test_scheduled_weights_by_hand():
     from mmrl.reward import weight_schedule
 

@@ -256,3 +256,15 @@ def test_served_equals_direct(tiny_vl):
     assert set(served) == set(direct)
     for k in direct:
         torch.testing.assert_close(served[k], direct[k], equal_nan=True)
+
+
+def test_clips_are_sampled_at_two_fps_of_their_own_rate():
+    """A 33-frame 16-fps clip shows 4 frames (33 / 16 * 2, at least 4, even) at linspace(0, 32, 4).round(), as
+    qwen-vl-utils samples a 2-fps video; without clip_fps every frame is shown."""
+    from rewards.judges import ChatVLM
+
+    clip = torch.arange(33.0).view(33, 1, 1, 1).expand(33, 3, 2, 2)
+    got = ChatVLM("unused", clip_fps=16).sampled(clip)
+    assert got[:, 0, 0, 0].tolist() == [0.0, 11.0, 21.0, 32.0]
+    assert ChatVLM("unused", clip_fps=16, video_fps=4).sampled(clip).shape[0] == 8  # 33 / 16 * 4 = 8.25
+    assert ChatVLM("unused").sampled(clip).shape[0] == 33

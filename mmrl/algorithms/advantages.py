@@ -59,7 +59,9 @@ REWARD_AGGREGATIONS = Registry("reward aggregation")
 
 
 def component(rewards: dict, key: str) -> torch.Tensor:
-    """A weighted component's rewards [N]; absent when every sample's reward failed (all invalid): zeros."""
+    """A weighted component's rewards [N]. The joins of chunks, rounds and ranks keep every key any part has
+    (mmrl.rollout.collect.join_rewards, Distributed.gather_rows), so a key is absent only when every sample's
+    reward failed (all rows invalid): zeros then."""
     return rewards[key] if key in rewards else torch.zeros_like(rewards["overall"])
 
 

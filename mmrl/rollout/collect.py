@@ -60,7 +60,7 @@ class Collector:
             chosen = [(-1, (ro.select(torch.tensor([0])), {k: x[:1] for k, x in rw.items()}, v[:1] & False))]
         rollout = Rollout.concat([p[0] for _, p in chosen])
         rollout.group_id = torch.cat([torch.full((len(p[0]),), k) for k, p in chosen])   # global ids
-        rewards = {k: torch.cat([p[1][k] for _, p in chosen]) for k in chosen[0][1][1]}
+        rewards = join_rewards([p[1] for _, p in chosen])
         valid = torch.cat([p[2] for _, p in chosen])
         return rollout, rewards, valid, {"reward/failed_samples": self.total(failures), "dynamic/rounds": r + 1,
                                          "dynamic/informative_groups": min(n_good, t.prompts_per_iter)}
@@ -95,7 +95,14 @@ class Collector:
             scored = [(ro, f.result()) for ro, f in parts if len(ro)]
         rollout = Rollout.concat([ro for ro, _ in scored])
         rollout.group_id = torch.cat([ro.group_id for ro, _ in scored])  # global ids, not renumbered
-        keys = set.intersection(*(set(s[0]) for _, s in scored))  # a per-sample retry may drop component keys
-        rewards = {key: torch.cat([s[0][key] for _, s in scored]) for key in sorted(keys)}
+        rewards = join_rewards([s[0] for _, s in scored])
         return rollout, rewards, torch.cat([s[1] for _, s in scored]), sum(s[2] for _, s in scored)
+
+
+def join_rewards(parts: list[dict]) -> dict[str, torch.Tensor]:
+    """Concatenate the reward dicts {key: [n_i]} of consecutive parts. A part whose reward failed on every sample
+    has only "overall" (its rows are invalid): its other keys are zeros, so the valid rows of the other parts keep
+    every component (gdpo / batch aggregation read them by name)."""
+    keys = sorted({k for p in parts for k in p})
+    return {k: torch.cat([p[k] if k in p else torch.zeros(len(p["overall"])) for p in parts]) for k in keys}
 
