@@ -75,6 +75,7 @@ def launch(world: World, method: str, seed: int, minutes: float, out: str, extra
            eval_every: float) -> subprocess.Popen:
     items = [f"train.seed={seed}", f"train.time_budget_min={minutes}", f"log.eval_every_min={eval_every}",
              "train.iterations=100000", "train.threads=1", "log.eval_at_start=false", "log.progress=false",
+             "log.eval_every=0",  # only the timed evaluations, as the control's: every arm pays the same
              f"log.out_dir={out}", "log.image_every=0", *extra]
     log = open(os.path.join(out + ".log"), "w")
     config, overrides = world.methods[method]
