@@ -125,6 +125,7 @@ def max_diff(a, b) -> float:
     return max((x[k] - y[k]).abs().max().item() for k in x)
 
 
+@pytest.mark.slow  # ~2 minutes; the cp collectives and one step are checked by the faster cp2 / dp2 x cp2 tests
 def test_the_trainer_with_context_parallelism_ends_where_one_process_ends(wan_folders, tmp_path):
     """train.context_parallel=2 on a tiny Wan2.1 (full fine-tuning, micro-batches, LoRA, KL to a frozen copy,
     BranchGRPO trees) and Wan2.2 A14B's two experts: 2 iterations under DDP and FSDP2 on 2 processes (one cp group)

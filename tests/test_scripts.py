@@ -140,7 +140,7 @@ def test_gpu_check_runs_every_gpu_config_on_cpu():
         from gpu_check import GPU_CONFIGS
     finally:
         sys.path.pop(0)
-    assert res["ok"] and sorted(res["configs"]) == sorted(GPU_CONFIGS) and len(GPU_CONFIGS) == 13
+    assert res["ok"] and sorted(res["configs"]) == sorted(GPU_CONFIGS) and len(GPU_CONFIGS) == 17
     assert all(c["optimizer_steps"] == 2 and c["params_dtypes"] == ["torch.float32"] for c in res["configs"].values())
     if not res["cuda_available"]:
         assert run("scripts/gpu_check.py", "--quick").returncode == 2
@@ -192,12 +192,3 @@ def test_reward_benchmarks_quick(script):
     assert r.returncode == 0, r.stderr[-2000:]
     assert isinstance(json.loads(r.stdout.strip().splitlines()[-1]), dict)
 
-
-@pytest.mark.slow
-def test_gpu_check_runs_the_reward_recipes_on_cpu():
-    """Two iterations of each real recipe whose reward is a model (GenEval, PickScore, OCR, GenEval + PickScore,
-    VideoAlign) on tiny stand-ins of the policy and the reward models (about 2 minutes)."""
-    r = run("scripts/gpu_check.py", "--device", "cpu", "--quick", "--only", "sd35", "videoalign")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(res["configs"]) == 6 and all(c["optimizer_steps"] > 0 for c in res["configs"].values())
