@@ -45,6 +45,7 @@ def policy_folder(checkpoint: str) -> str | None:
 def evaluate_checkpoints(cfg, checkpoints: list[str], seed: int = EVAL_SEED, base: bool = True,
                          progress: bool = True) -> dict:
     """{name: metrics} for the base model, each checkpoint and the task's baselines (see the module docstring)."""
+    folders = [policy_folder(ck) for ck in checkpoints]  # a missing checkpoint fails before anything is loaded
     task = compose.build_task(cfg.task)
     name = cfg.reward.eval_name or cfg.reward.name
     kwargs = cfg.reward.eval_kwargs if cfg.reward.eval_name else cfg.reward.kwargs
@@ -62,8 +63,7 @@ def evaluate_checkpoints(cfg, checkpoints: list[str], seed: int = EVAL_SEED, bas
     if base:
         policy = compose.build_policy(cfg)
         score(f"base ({cfg.model.path})", policy)
-    for ck in checkpoints:
-        folder = policy_folder(ck)
+    for ck, folder in zip(checkpoints, folders):
         if folder is None:  # a model folder: it is the model
             score(ck, compose.build_policy(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=ck))))
             continue

@@ -38,7 +38,7 @@ def single_process(tiny_pixel_model, tmp_path_factory) -> dict:
     return load_file(out / "plain.safetensors")
 
 
-@pytest.mark.parametrize("backend", ["static", "c10d"])
+@pytest.mark.parametrize("backend", ["static", pytest.param("c10d", marks=pytest.mark.slow)])  # c10d: the same run, ~20 s
 def test_two_nodes_end_where_one_process_ends(backend, single_process, tiny_pixel_model, tmp_path):
     """3 prompts x 4 samples, 2 minibatches, 2 iterations (dist_matrix's `plain`): node 0 samples groups [0, 1.5),
     node 1 the rest (a group spans the nodes); only global rank 0 writes."""

@@ -186,6 +186,7 @@ def test_lora_loads_in_diffusers(edit, images, tmp_path):
                             enc, pooled, str(tmp_path / "policy"))
 
 
+@pytest.mark.slow  # ~35 s: 20 B parameters on the meta device; the tiny model's plan is tested above
 def test_plan_at_real_size_and_the_recipe():
     """Qwen-Image-Edit(-Plus) is Qwen-Image's transformer (the card's 20 B; its diffusers config instantiates
     20.43 B); each 1024 px condition image adds 4096 tokens to the 512 px output's 1024 (-Plus plans 3 images)."""

@@ -87,6 +87,7 @@ def test_pretrain_init_widens_to_coordinates(tiny_motion_model, tmp_path):
         pretrain.init_from(build_pipeline_parts(words, "tiny", 16, patch_size=2, frames=motion.FRAMES), tiny_motion_model)
 
 
+@pytest.mark.slow  # ~25 s of a benchmark's quick mode
 def test_bench_rollout_quick():
     """Chain vs BranchGRPO variants on the shapes SD3 transformer: tree rollouts cost fewer transformer rows."""
     r = run("benchmarks/bench_rollout.py", "--quick", "--threads", "1")
@@ -102,6 +103,7 @@ def test_bench_rollout_quick():
     assert flash["train_rows"] == window["train_rows"] and flash["sample_rows"] < window["sample_rows"] == 128
 
 
+@pytest.mark.slow  # ~25 s of a benchmark's quick mode
 def test_bench_prefix_quick():
     """Shared-prefix vs naive scoring on a small video prompt: both timed, log-probs and gradients equal."""
     r = run("benchmarks/bench_prefix.py", "--quick", "--frames", "8", "--side", "56", "--repeats", "1", "--threads", "1")
@@ -129,6 +131,7 @@ def test_bench_reward_server_quick():
     assert k["error"] and k["tries"] == 3 and k["seconds_to_error"] < k["bound_s"]
 
 
+@pytest.mark.slow  # ~80 s: two iterations of 17 recipes; every config still loads and validates in test_config.py
 def test_gpu_check_runs_every_gpu_config_on_cpu():
     """The GPU acceptance script's iterations (bf16, gradient checkpointing, micro-batches) on CPU; on a machine
     without CUDA the default (--device cuda) refuses with exit code 2."""

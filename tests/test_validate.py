@@ -85,7 +85,13 @@ def test_ten_broken_configs_each_named_without_loading_weights(tmp_path, tiny_pi
     assert rc == 0
 
 
-def test_errors_are_one_message_and_debug_brings_the_traceback(capsys):
+def test_errors_are_one_message_and_debug_brings_the_traceback(capsys, monkeypatch):
+    from mmrl import compose
+
+    def no_model(*a, **k):
+        raise AssertionError("a missing checkpoint must be refused before the base model is loaded and scored")
+
+    monkeypatch.setattr(compose, "build_policy", no_model)
     assert main(["eval", SHAPES, "runs/no_such_run_here"]) == 2
     err = capsys.readouterr().err
     assert "checkpoint 'runs/no_such_run_here' does not exist" in err and "Traceback" not in err
