@@ -80,6 +80,7 @@ def test_dp2_x_cp2_matches_one_process(tmp_path):
     check_report(run_worker(tmp_path / "dpcp.json", "--cp", "2", procs=4), world=4, dp=2)
 
 
+@pytest.mark.slow  # ~15 s
 def test_ring_attention_does_not_run_on_cpu_in_diffusers(tmp_path):
     """The finding behind check_backend: diffusers' ring calls the forward op for the log-sum-exp, which its native
     (SDPA) backend, the only cp backend on CPU, refuses."""

@@ -40,6 +40,7 @@ def test_a_row_is_the_same_whichever_process_samples_it(tiny_pixel_model, tmp_pa
     torch.testing.assert_close(part.old_log_prob, full.old_log_prob[5:9])
 
 
+@pytest.mark.slow  # ~65 s; DDP and FSDP equality runs in the default set for every feature below (FSDP resume stays here)
 def test_ddp_and_fsdp_end_where_one_process_ends(tiny_pixel_model, tmp_path):
     """3 prompts x 4 samples (12 rows: a group spans the 2 ranks), 2 minibatches, 3 iterations."""
     r = run(tiny_pixel_model, str(tmp_path / "single.safetensors"), "--steps", "3")

@@ -153,6 +153,7 @@ def test_lora_loads_in_diffusers(kontext, tmp_path):
                             str(tmp_path / "policy"))
 
 
+@pytest.mark.slow  # ~15 s: the published size on the meta device
 def test_plan_at_real_size_and_the_recipe():
     """FLUX.1 Kontext [dev] is FLUX.1-dev's transformer (11.9 B); the image tokens double the sequence."""
     from mmrl.plan import plan

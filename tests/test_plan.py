@@ -32,7 +32,8 @@ def test_every_family_architecture_is_planned_here():
     assert builtin <= set(all_architectures()) and builtin <= set(PUBLISHED)
 
 
-@pytest.mark.parametrize("arch", sorted(PUBLISHED))
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a == "qwen-image" else a
+                                  for a in sorted(PUBLISHED)])  # qwen-image: ~20 s
 def test_published_architectures_at_real_size(arch):
     config, params = PUBLISHED[arch]
     p = plan(load_config(config, ["model.lora.enabled=false", "train.micro_batch=1", "train.mixed_precision=bf16"]),
