@@ -7,8 +7,10 @@
     mmrl export CHECKPOINT OUT                                   a merged model folder (mmrl/export.py)
     mmrl serve-reward NAME [--kwargs JSON] [--port P]            a reward over HTTP (mmrl/reward_server.py)
 
-Options may come anywhere on the line. A user error (a bad config, a missing file, a run folder in use) prints one
-message naming the fix and exits with status 2; `--debug` (or MMRL_DEBUG=1) shows the traceback instead. The
+Options may come anywhere on the line. A user error (mmrl.errors.UserError: a bad config, a missing file, a run
+folder in use, an unknown or unimportable name) prints one message naming the fix and exits with status 2;
+`--debug` (or MMRL_DEBUG=1) shows the traceback instead. Any other exception is a bug somewhere (mmrl, a library,
+a plugin's code): it keeps its traceback and exits with status 1. The
 working directory and the config file's folder are importable, so `reward.name: my_rewards:score` finds
 my_rewards.py in either."""
 
@@ -21,7 +23,7 @@ import os
 import sys
 import time
 
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError, ImportError, UnicodeDecodeError)
+from mmrl.errors import UserError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -106,11 +108,10 @@ def main(argv: list[str] | None = None) -> int:
             sys.path.insert(0, folder)
     try:
         return run(args)
-    except USER_ERRORS as e:
-        if args.debug or os.environ.get("MMRL_DEBUG") or getattr(e, "mmrl_traceback", False):
+    except UserError as e:  # only mmrl's own input checks: anything else is a bug and keeps its traceback
+        if args.debug or os.environ.get("MMRL_DEBUG"):
             raise
-        msg = str(e)[1:-1] if isinstance(e, KeyError) and str(e).startswith(("'", '"')) else str(e)
-        print(f"mmrl {args.cmd}: error: {msg}\n(--debug shows the traceback)", file=sys.stderr)
+        print(f"mmrl {args.cmd}: error: {e}\n(--debug shows the traceback)", file=sys.stderr)
         return 2
 
 

@@ -20,6 +20,7 @@ from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS
 from mmrl.algorithms.objective import build_objective, check_knobs, loss_name
 from mmrl.config import Config, TaskConfig, policy_kind
 from mmrl.config_files import load_config as parse_config
+from mmrl.errors import ConfigError
 from mmrl.policy import POLICIES
 from mmrl.registry import Registry
 from mmrl.reward import REWARDS, FunctionReward, plain_function_args, weight_schedule
@@ -63,16 +64,16 @@ def check_choices(cfg: Config) -> Config:
         WEIGHTINGS.check(name, "algo.weighting")
     CREDIT_ASSIGNMENTS.check(credit_name(cfg), "algo.credit")
     if cfg.tree.split_steps and credit_name(cfg) == "group":
-        raise ValueError("algo.credit=group gives one advantage per sample, but tree rollouts need one per "
-                         "transition: set algo.credit=auto (or tree)")
+        raise ConfigError("algo.credit=group gives one advantage per sample, but tree rollouts need one per "
+                          "transition: set algo.credit=auto (or tree)")
     _check_objective(cfg)
     _choice("sampler.engine", cfg.sampler.engine, ENGINES)
     _choice("tree.fusion", cfg.tree.fusion, FUSIONS)
     if cfg.tree.split_steps:
         split_schedule(cfg.sampler.num_steps, cfg.tree.split_steps)
         if cfg.sampler.ode_stride > 1 or cfg.sampler.ode_solver != "euler":
-            raise ValueError("sampler.ode_stride / ode_solver=dpm2m apply to chain rollouts: remove them or "
-                             "tree.split_steps")
+            raise ConfigError("sampler.ode_stride / ode_solver=dpm2m apply to chain rollouts: remove them or "
+                              "tree.split_steps")
     return cfg
 
 
@@ -83,33 +84,33 @@ def _check_objective(cfg: Config) -> None:
     if obj.actions != "forward":
         _choice("sampler.kind", s.kind, SDE_KINDS)
         if getattr(loss, "flow_steps_only", False) and (policy_kind(cfg.model.policy) != "flow" or a.ratio != "none"):
-            raise ValueError(f"algo.policy_loss={name} bounds the exact KL of flow SDE steps: use a flow policy "
-                             f"and algo.ratio=none (its trust region replaces ratio transforms)")
+            raise ConfigError(f"algo.policy_loss={name} bounds the exact KL of flow SDE steps: use a flow policy "
+                              f"and algo.ratio=none (its trust region replaces ratio transforms)")
         return
     _choice("sampler.kind", s.kind, SDE_KINDS + ("ode",))
     fix = f"algo.policy_loss={name} trains on the forward process of final samples"
     if policy_kind(cfg.model.policy) == "token":
-        raise ValueError(f"{fix}, which flow policies record: set model.policy=flow or another algo.policy_loss")
+        raise ConfigError(f"{fix}, which flow policies record: set model.policy=flow or another algo.policy_loss")
     if cfg.tree.split_steps:
-        raise ValueError(f"{fix}, not on tree transitions: remove tree.split_steps")
+        raise ConfigError(f"{fix}, not on tree transitions: remove tree.split_steps")
     if a.weighting != "none" or a.ratio != "none" or (a.kl_coef > 0 and a.kl == "flow_mean"):
-        raise ValueError(f"{fix}; algo.weighting, algo.ratio and algo.kl=flow_mean act on SDE steps: set "
-                         f"algo.weighting=none, algo.ratio=none, algo.kl=flow_velocity")
+        raise ConfigError(f"{fix}; algo.weighting, algo.ratio and algo.kl=flow_mean act on SDE steps: set "
+                          f"algo.weighting=none, algo.ratio=none, algo.kl=flow_velocity")
     if obj.terms[0].needs_reference and (cfg.model.reference == "none" or (
             a.kl_reference == "ema" and cfg.train.ema_decay == 0)):
-        raise ValueError(f"algo.policy_loss={name} compares each sample with a reference: set "
-                         f"model.reference=auto (the frozen base), or train.ema_decay > 0 with algo.kl_reference=ema")
+        raise ConfigError(f"algo.policy_loss={name} compares each sample with a reference: set "
+                          f"model.reference=auto (the frozen base), or train.ema_decay > 0 with algo.kl_reference=ema")
     if obj.needs_whole_groups and (cfg.train.minibatches != 1 or cfg.train.micro_batch):
-        raise ValueError(f"algo.policy_loss={name} sums over whole groups in one pass: set "
-                         f"train.minibatches=1, train.micro_batch=0")
+        raise ConfigError(f"algo.policy_loss={name} sums over whole groups in one pass: set "
+                          f"train.minibatches=1, train.micro_batch=0")
     if s.kind == "ode" and s.shared_noise:
-        raise ValueError("sampler.kind=ode with sampler.shared_noise: every sample of a group would be the same image "
-                         "(zero advantages); set sampler.shared_noise=false")
+        raise ConfigError("sampler.kind=ode with sampler.shared_noise: every sample of a group would be the same image "
+                          "(zero advantages); set sampler.shared_noise=false")
 
 
 def _choice(key: str, value, valid: tuple) -> None:
     if value not in valid:
-        raise ValueError(f"{key}: invalid value {value!r}; valid: {list(valid)}")
+        raise ConfigError(f"{key}: invalid value {value!r}; valid: {list(valid)}")
 
 
 # ------------------------------------------------------------------------------------------------- building
@@ -149,15 +150,15 @@ def check_kwargs(registry: Registry, name: str, kwargs: dict, where: str, visit=
         for label, spec in kwargs["components"].items():
             spec = dict(spec or {})
             if set(spec) - {"name", "weight", "kwargs"}:
-                raise ValueError(f"{where}.kwargs.components.{label}: unknown keys "
-                                 f"{sorted(set(spec) - {'name', 'weight', 'kwargs'})}; valid: name, weight, kwargs")
+                raise ConfigError(f"{where}.kwargs.components.{label}: unknown keys "
+                                  f"{sorted(set(spec) - {'name', 'weight', 'kwargs'})}; valid: name, weight, kwargs")
             weight_schedule(spec.get("weight", 1.0), f"{where}.kwargs.components.{label}.weight")
             check_kwargs(REWARDS, spec.get("name", label), spec.get("kwargs"), f"{where}.kwargs.components.{label}",
                           visit)
     unknown = sorted(set(kwargs) - set(params))
     if unknown and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        raise ValueError(f"{where}.kwargs {unknown} not understood by {registry.axis} {name!r}; valid: "
-                         f"{sorted(k for k in params if k not in ('self', 'cfg', 'args', 'kwargs'))}")
+        raise ConfigError(f"{where}.kwargs {unknown} not understood by {registry.axis} {name!r}; valid: "
+                          f"{sorted(k for k in params if k not in ('self', 'cfg', 'args', 'kwargs'))}")
     for key, value in kwargs.items() if visit else ():
         visit(f"{where}.kwargs.{key}", value)
 
@@ -178,7 +179,7 @@ def _call(registry: Registry, name: str, kwargs: dict, where: str, *args):
         return factory(*args, **kwargs)
     except TypeError as e:
         valid = sorted(k for k in params if k not in ("self", "cfg", "args", "kwargs"))
-        raise ValueError(f"{registry.axis} {name!r}: {e}; valid {where}.kwargs: {valid}") from e
+        raise ConfigError(f"{registry.axis} {name!r}: {e}; valid {where}.kwargs: {valid}") from e
 
 
 def _component(label: str, spec, where: str) -> dict:

@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from mmrl.errors import ConfigError
+
 
 @dataclass
 class LoraConfig:
@@ -248,26 +250,26 @@ class Config:
         """Check values and their combinations; raise ValueError naming the key and the fix. Registry names
         (policy, task, reward, algorithm pieces) are checked where they are resolved: mmrl.compose.check_choices."""
         if self.reward.name == "pairwise" and not self.reward.eval_name:
-            raise ValueError("reward.name=pairwise scores samples only against their group: set reward.eval_name "
-                             "(e.g. shapes) for the held-out evaluation")
+            raise ConfigError("reward.name=pairwise scores samples only against their group: set reward.eval_name "
+                              "(e.g. shapes) for the held-out evaluation")
         agg = self.algo.reward_aggregation
         if agg in ("gdpo", "batch"):
             if self.reward.name != "multi":
-                raise ValueError(f"algo.reward_aggregation={agg} normalizes each of several rewards: set "
-                                 "reward.name=multi with reward.kwargs.components, or algo.reward_aggregation=sum")
+                raise ConfigError(f"algo.reward_aggregation={agg} normalizes each of several rewards: set "
+                                  "reward.name=multi with reward.kwargs.components, or algo.reward_aggregation=sum")
             if self.algo.reward_shaping != "none" or self.tree.split_steps:
-                raise ValueError(f"algo.reward_aggregation={agg} does not combine with algo.reward_shaping or tree "
-                                 "rollouts: use algo.reward_aggregation=sum")
+                raise ConfigError(f"algo.reward_aggregation={agg} does not combine with algo.reward_shaping or tree "
+                                  "rollouts: use algo.reward_aggregation=sum")
         if not 0 <= self.reward.max_failed_fraction <= 1:
-            raise ValueError(f"reward.max_failed_fraction must be in [0, 1], got {self.reward.max_failed_fraction}")
+            raise ConfigError(f"reward.max_failed_fraction must be in [0, 1], got {self.reward.max_failed_fraction}")
         if self.reward.workers < 0 or self.reward.overlap_chunks < 1:
-            raise ValueError("reward.workers must be >= 0 and reward.overlap_chunks >= 1")
+            raise ConfigError("reward.workers must be >= 0 and reward.overlap_chunks >= 1")
         if self.reward.workers and self.tree.split_steps:
-            raise ValueError("tree rollouts sample each prompt's tree in one pass: set reward.workers=0")
+            raise ConfigError("tree rollouts sample each prompt's tree in one pass: set reward.workers=0")
         _choice("video.backend", self.video.backend, ("decord", "torchcodec"))
         _choice("video.on_error", self.video.on_error, ("raise", "skip"))
         if len(self.sampler.sde_window_range) != 2:
-            raise ValueError(f"sampler.sde_window_range must be [lo, hi) window starts, e.g. [0, 4]; got "
+            raise ConfigError(f"sampler.sde_window_range must be [lo, hi) window starts, e.g. [0, 4]; got "
                              f"{self.sampler.sde_window_range}")
         self._check_policy_keys()
         _choice("sampler.logprob_reduce", self.sampler.logprob_reduce, ("mean", "sum"))
@@ -280,73 +282,73 @@ class Config:
         _choice("sampler.cfg_grad", self.sampler.cfg_grad, ("cond", "full"))
         t = self.train
         if t.context_parallel < 1:
-            raise ValueError(f"train.context_parallel must be >= 1 (1 = off), got {t.context_parallel}")
+            raise ConfigError(f"train.context_parallel must be >= 1 (1 = off), got {t.context_parallel}")
         if t.context_parallel > 1 and policy_kind(self.model.policy) != "flow":
-            raise ValueError("train.context_parallel splits a flow transformer's video tokens; token policies: set "
-                             "train.context_parallel=1")
+            raise ConfigError("train.context_parallel splits a flow transformer's video tokens; token policies: set "
+                              "train.context_parallel=1")
         if t.group_size < 2:
-            raise ValueError(f"train.group_size={t.group_size}: group-relative advantages need >= 2 samples per group")
+            raise ConfigError(f"train.group_size={t.group_size}: group-relative advantages need >= 2 samples per group")
         for k in ("iterations", "prompts_per_iter", "inner_epochs", "minibatches", "grad_accum"):
             if getattr(t, k) < 1:
-                raise ValueError(f"train.{k} must be >= 1, got {getattr(t, k)}")
+                raise ConfigError(f"train.{k} must be >= 1, got {getattr(t, k)}")
         n = t.prompts_per_iter * t.group_size
         if n % t.minibatches:
-            raise ValueError(f"train.minibatches={t.minibatches} must divide prompts_per_iter * group_size = {n}")
+            raise ConfigError(f"train.minibatches={t.minibatches} must divide prompts_per_iter * group_size = {n}")
         if t.minibatches % t.grad_accum:
-            raise ValueError(f"train.grad_accum={t.grad_accum} must divide train.minibatches={t.minibatches}")
+            raise ConfigError(f"train.grad_accum={t.grad_accum} must divide train.minibatches={t.minibatches}")
         if self.model.dtype != "float32" and not self.model.lora.enabled and t.mixed_precision == "no":
-            raise ValueError(f"model.dtype={self.model.dtype} with full fine-tuning: the trained weights are kept in "
-                             f"fp32 (master weights), so set train.mixed_precision=bf16 to compute in bf16, or enable "
-                             f"model.lora (the adapter is fp32, the frozen base stays {self.model.dtype})")
+            raise ConfigError(f"model.dtype={self.model.dtype} with full fine-tuning: the trained weights are kept in "
+                              f"fp32 (master weights), so set train.mixed_precision=bf16 to compute in bf16, or enable "
+                              f"model.lora (the adapter is fp32, the frozen base stays {self.model.dtype})")
         if t.micro_batch < 0:
-            raise ValueError(f"train.micro_batch must be >= 0 (0 = no split), got {t.micro_batch}")
+            raise ConfigError(f"train.micro_batch must be >= 0 (0 = no split), got {t.micro_batch}")
         if t.sample_chunk < -1:
-            raise ValueError(f"train.sample_chunk must be >= 0, or -1 for train.micro_batch; got {t.sample_chunk}")
+            raise ConfigError(f"train.sample_chunk must be >= 0, or -1 for train.micro_batch; got {t.sample_chunk}")
         if t.micro_batch and self.algo.ratio == "gspo" and policy_kind(self.model.policy) == "flow":
-            raise ValueError("algo.ratio=gspo averages a sample's actions, which train.micro_batch splits for flow "
-                             "policies: set train.micro_batch=0 or algo.ratio=none")
+            raise ConfigError("algo.ratio=gspo averages a sample's actions, which train.micro_batch splits for flow "
+                              "policies: set train.micro_batch=0 or algo.ratio=none")
         if not 0 <= t.ema_decay < 1:
-            raise ValueError(f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
+            raise ConfigError(f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
         if self.algo.clip_range <= 0:
-            raise ValueError(f"algo.clip_range must be > 0, got {self.algo.clip_range}")
+            raise ConfigError(f"algo.clip_range must be > 0, got {self.algo.clip_range}")
         if self.algo.tis_cap < 0 or 0 < self.algo.tis_cap < 1:
-            raise ValueError(f"algo.tis_cap must be 0 (off) or >= 1 (a cap on pi_old / pi_engine), got {self.algo.tis_cap}")
+            raise ConfigError(f"algo.tis_cap must be 0 (off) or >= 1 (a cap on pi_old / pi_engine), got {self.algo.tis_cap}")
         if self.algo.tis_cap and policy_kind(self.model.policy) == "flow":
-            raise ValueError("algo.tis_cap corrects a token engine's sampling log-probs; a flow policy's old log-probs "
-                             "are its sampler's own, so there is nothing to correct: set algo.tis_cap=0")
+            raise ConfigError("algo.tis_cap corrects a token engine's sampling log-probs; a flow policy's old log-probs "
+                              "are its sampler's own, so there is nothing to correct: set algo.tis_cap=0")
         if self.algo.tis_cap and self.sampler.engine == "hf":
-            raise ValueError("algo.tis_cap needs the sampling engine's log-probs, which sampler.engine=hf does not record: "
-                             "use sampler.engine=prefix_cache or vllm, or set algo.tis_cap=0")
+            raise ConfigError("algo.tis_cap needs the sampling engine's log-probs, which sampler.engine=hf does not record: "
+                              "use sampler.engine=prefix_cache or vllm, or set algo.tis_cap=0")
         if self.algo.sft_coef < 0:
-            raise ValueError(f"algo.sft_coef must be >= 0, got {self.algo.sft_coef}")
+            raise ConfigError(f"algo.sft_coef must be >= 0, got {self.algo.sft_coef}")
         if self.algo.sft_coef > 0 and self.algo.offpolicy == "none":
-            raise ValueError("algo.sft_coef > 0 trains the NLL of injected rows, and there are none: set "
-                             "algo.offpolicy=ground_truth or algo.sft_coef=0")
+            raise ConfigError("algo.sft_coef > 0 trains the NLL of injected rows, and there are none: set "
+                              "algo.offpolicy=ground_truth or algo.sft_coef=0")
         if self.algo.kl_coef > 0 and self.model.reference == "none":
-            raise ValueError("algo.kl_coef > 0 needs a reference model: set model.reference=auto or algo.kl_coef=0")
+            raise ConfigError("algo.kl_coef > 0 needs a reference model: set model.reference=auto or algo.kl_coef=0")
         s = self.sampler
         if s.num_steps < 2:
-            raise ValueError(f"sampler.num_steps must be >= 2 (the last step is never trained), got {s.num_steps}")
+            raise ConfigError(f"sampler.num_steps must be >= 2 (the last step is never trained), got {s.num_steps}")
         if s.sde_window_size < 0 or s.sde_window_size > s.num_steps - 1:
-            raise ValueError(f"sampler.sde_window_size must be in [0, num_steps - 1 = {s.num_steps - 1}], "
-                             f"got {s.sde_window_size}")
+            raise ConfigError(f"sampler.sde_window_size must be in [0, num_steps - 1 = {s.num_steps - 1}], "
+                              f"got {s.sde_window_size}")
         _choice("sampler.window_schedule", s.window_schedule, ("random", "sliding"))
         _choice("sampler.ode_solver", s.ode_solver, ("euler", "dpm2m"))
         _choice("algo.kl_reference", self.algo.kl_reference, ("base", "ema"))
         if s.ode_stride < 1 or s.window_shift_every < 1 or s.forward_timesteps < 1:
-            raise ValueError("sampler.ode_stride, sampler.window_shift_every and sampler.forward_timesteps must be >= 1")
+            raise ConfigError("sampler.ode_stride, sampler.window_shift_every and sampler.forward_timesteps must be >= 1")
         r = s.forward_t_range
         if len(r) != 2 or not 0 <= r[0] < r[1] <= 1:
-            raise ValueError(f"sampler.forward_t_range must be [lo, hi] with 0 <= lo < hi <= 1, got {s.forward_t_range}")
+            raise ConfigError(f"sampler.forward_t_range must be [lo, hi] with 0 <= lo < hi <= 1, got {s.forward_t_range}")
         if self.algo.kl_reference == "ema" and self.algo.kl_coef > 0 and t.ema_decay == 0:
-            raise ValueError("algo.kl_reference=ema takes the EMA of the trained weights as the reference: set "
-                             "train.ema_decay (e.g. 0.9), or algo.kl_reference=base")
+            raise ConfigError("algo.kl_reference=ema takes the EMA of the trained weights as the reference: set "
+                              "train.ema_decay (e.g. 0.9), or algo.kl_reference=base")
         if self.algo.nft_beta <= 0:
-            raise ValueError(f"algo.nft_beta must be > 0, got {self.algo.nft_beta}")
+            raise ConfigError(f"algo.nft_beta must be > 0, got {self.algo.nft_beta}")
         self._validate_tree()
         if self.task.name == "prompt_file" and not self.task.prompt_file and not self.task.kwargs.get("dataset"):
-            raise ValueError("task.name=prompt_file needs task.prompt_file=PATH (.txt one prompt per line, .jsonl / .csv "
-                             "with a prompt field) or task.kwargs.dataset=NAME_OR_FOLDER (Hugging Face datasets)")
+            raise ConfigError("task.name=prompt_file needs task.prompt_file=PATH (.txt one prompt per line, .jsonl / .csv "
+                              "with a prompt field) or task.kwargs.dataset=NAME_OR_FOLDER (Hugging Face datasets)")
         return self
 
 
@@ -369,8 +371,8 @@ class Config:
             default = type(getattr(self, section))()
             for k in keys:
                 if getattr(getattr(self, section), k) != getattr(default, k):
-                    raise ValueError(f"{section}.{k} does not apply to model.policy={self.model.policy}: remove it "
-                                     f"(it is read by {'token' if kind == 'flow' else 'flow'} policies only)")
+                    raise ConfigError(f"{section}.{k} does not apply to model.policy={self.model.policy}: remove it "
+                                      f"(it is read by {'token' if kind == 'flow' else 'flow'} policies only)")
 
     def _validate_tree(self) -> None:
         tr = self.tree
@@ -378,16 +380,16 @@ class Config:
         if not tr.split_steps:
             return
         if policy_kind(self.model.policy) != "flow":
-            raise ValueError("tree.split_steps (BranchGRPO) needs model.policy=flow")
+            raise ConfigError("tree.split_steps (BranchGRPO) needs model.policy=flow")
         leaves = tr.branch ** len(tr.split_steps)
         if tr.branch < 2 or self.train.group_size != leaves:
-            raise ValueError(f"tree rollouts give branch ** len(split_steps) = {leaves} leaves per prompt: set "
-                             f"train.group_size={leaves} (got {self.train.group_size}), branch >= 2")
+            raise ConfigError(f"tree rollouts give branch ** len(split_steps) = {leaves} leaves per prompt: set "
+                              f"train.group_size={leaves} (got {self.train.group_size}), branch >= 2")
         if self.algo.loss_agg != "token_mean":
-            raise ValueError("tree rollouts train each transition once, owned by one leaf: set algo.loss_agg=token_mean "
-                             "(the mean over transitions, as BranchGRPO)")
+            raise ConfigError("tree rollouts train each transition once, owned by one leaf: set algo.loss_agg=token_mean "
+                              "(the mean over transitions, as BranchGRPO)")
         if not 0 < tr.width_ratio <= 1:
-            raise ValueError(f"tree.width_ratio must be in (0, 1], got {tr.width_ratio}")
+            raise ConfigError(f"tree.width_ratio must be in (0, 1], got {tr.width_ratio}")
 
 
 def policy_kind(name: str) -> str | None:
@@ -397,7 +399,7 @@ def policy_kind(name: str) -> str | None:
 
 def _choice(key: str, value: Any, valid: tuple) -> None:
     if value not in valid:
-        raise ValueError(f"{key}: invalid value {value!r}; valid: {list(valid)}")
+        raise ConfigError(f"{key}: invalid value {value!r}; valid: {list(valid)}")
 
 
 def to_dict(cfg: Config) -> dict:

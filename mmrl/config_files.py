@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from mmrl.config import Config
+from mmrl.errors import ConfigError, MissingFile
 
 
 # other frameworks' names (TRL's GRPOConfig, diffusers' training scripts) -> mmrl's key
@@ -32,7 +33,7 @@ OTHER_NAMES = {"learning_rate": "train.lr", "num_generations": "train.group_size
 def _build(cls, data: dict, where: str):
     """Instantiate dataclass `cls` from a dict, recursing into nested dataclasses; unknown keys error."""
     if not isinstance(data, dict):
-        raise ValueError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
     names = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
@@ -43,8 +44,8 @@ def _build(cls, data: dict, where: str):
             if key in OTHER_NAMES:
                 hint = f" Did you mean {OTHER_NAMES[key]!r}? (docs/python-api.md maps TRL's names to mmrl's)"
             path = f"{where}.{key}" if where else key
-            raise ValueError(f"unknown config key {path!r}; valid keys{' of ' + where if where else ''}: "
-                             f"{sorted(names)}.{hint}")
+            raise ConfigError(f"unknown config key {path!r}; valid keys{' of ' + where if where else ''}: "
+                              f"{sorted(names)}.{hint}")
         f = names[key]
         sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
         if sub is not None and dataclasses.is_dataclass(sub):
@@ -67,15 +68,15 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, a, key)
             except ValueError as e:
                 errors.append(str(e))
-        raise ValueError(errors[0])
+        raise ConfigError(errors[0])
     if typing.get_origin(tp) is list:
         if not isinstance(value, list):
-            raise ValueError(f"config key {key!r} expects a list ({_name(tp)}), got {value!r} "
-                             f"({type(value).__name__}): write {key}=[{value}]")
+            raise ConfigError(f"config key {key!r} expects a list ({_name(tp)}), got {value!r} "
+                              f"({type(value).__name__}): write {key}=[{value}]")
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
     if tp is dict or typing.get_origin(tp) is dict:
         if not isinstance(value, dict):
-            raise ValueError(f"config key {key!r} expects a mapping, got {value!r} ({type(value).__name__})")
+            raise ConfigError(f"config key {key!r} expects a mapping, got {value!r} ({type(value).__name__})")
         return value
     if tp is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         try:
@@ -86,7 +87,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     if tp is Any:
         return value
-    raise ValueError(f"config key {key!r} expects {_name(tp)}, got {value!r} ({type(value).__name__})")
+    raise ConfigError(f"config key {key!r} expects {_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
 def _name(tp: Any) -> str:
@@ -99,7 +100,7 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
     for k in keys[:-1]:
         d = d.setdefault(k, {})
         if not isinstance(d, dict):
-            raise ValueError(f"override {dotted!r}: {k!r} is not a section")
+            raise ConfigError(f"override {dotted!r}: {k!r} is not a section")
     d[keys[-1]] = value
 
 
@@ -108,7 +109,7 @@ def parse_overrides(items: list[str]) -> dict:
     out: dict = {}
     for item in items:
         if "=" not in item:
-            raise ValueError(f"override {item!r} must look like section.key=value (e.g. train.lr=1e-4)")
+            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.lr=1e-4)")
         k, v = item.split("=", 1)
         _set_dotted(out, k.strip(), yaml.load(v, Loader=Yaml12Loader) if v != "" else "")
     return out
@@ -153,19 +154,19 @@ def _read_yaml(path: str) -> dict:
     """One config file as a mapping (its `base:` not followed); clear errors for a missing, non-UTF-8 or
     malformed file."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {path!r} does not exist (configs live in configs/, e.g. "
-                                f"configs/t2i/shapes_grpo.yaml)")
+        raise MissingFile(f"config file {path!r} does not exist (configs live in configs/, e.g. "
+                          f"configs/t2i/shapes_grpo.yaml)")
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.load(f, Loader=Yaml12Loader) or {}
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
-        raise ValueError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+        raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: a config file must be a mapping of sections, got {type(data).__name__}")
+        raise ConfigError(f"{path}: a config file must be a mapping of sections, got {type(data).__name__}")
     return data
 
 

@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from mmrl.errors import ConfigError
+
 KINDS = ("ulysses", "ring")
 # Backends diffusers registers with supports_context_parallel=True whose forward op returns the log-sum-exp that
 # ring attention merges chunks with; "native" (SDPA) has a cp path for Ulysses only (its forward op refuses
@@ -63,16 +65,16 @@ def check_cp(cp_degree: int, world_size: int, num_heads: int | None = None, seq_
             asserts S % cp_degree == 0.
     """
     if kind not in KINDS:
-        raise ValueError(f"unknown context-parallel kind {kind!r}; valid: {', '.join(KINDS)}")
+        raise ConfigError(f"unknown context-parallel kind {kind!r}; valid: {', '.join(KINDS)}")
     if cp_degree < 1 or world_size % cp_degree:
-        raise ValueError(f"cp_degree {cp_degree} must divide the world size {world_size} "
-                         f"(dp = world / cp); use one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
+        raise ConfigError(f"cp_degree {cp_degree} must divide the world size {world_size} "
+                          f"(dp = world / cp); use one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
     if kind == "ulysses" and num_heads is not None and num_heads % cp_degree:
-        raise ValueError(f"Ulysses splits the {num_heads} attention heads over cp_degree {cp_degree} ranks: "
-                         f"choose a cp_degree that divides {num_heads}, or kind='ring'")
+        raise ConfigError(f"Ulysses splits the {num_heads} attention heads over cp_degree {cp_degree} ranks: "
+                          f"choose a cp_degree that divides {num_heads}, or kind='ring'")
     if seq_len is not None and seq_len % cp_degree:
-        raise ValueError(f"{seq_len} video tokens do not split into {cp_degree} equal chunks: choose a frame count "
-                         f"or resolution whose token count divides by {cp_degree}")
+        raise ConfigError(f"{seq_len} video tokens do not split into {cp_degree} equal chunks: choose a frame count "
+                          f"or resolution whose token count divides by {cp_degree}")
 
 
 def sequence_length(transformer, latent_shape: tuple[int, ...]) -> int:
@@ -95,15 +97,15 @@ def check_model_folder(path: str | None, cp_degree: int, kind: str = "ulysses", 
 
     cfg_file = os.path.join(path or "", "transformer", "config.json")
     if not os.path.isfile(cfg_file):
-        raise ValueError(f"train.context_parallel={cp_degree} needs a diffusers pipeline folder with "
-                         f"transformer/config.json (a video DiT such as Wan2.x); {path!r} has none. Set "
-                         f"train.context_parallel=1")
+        raise ConfigError(f"train.context_parallel={cp_degree} needs a diffusers pipeline folder with "
+                          f"transformer/config.json (a video DiT such as Wan2.x); {path!r} has none. Set "
+                          f"train.context_parallel=1")
     with open(cfg_file) as f:
         tc = json.load(f)
     cls = getattr(diffusers, tc.get("_class_name", ""), None)
     if getattr(cls, "_cp_plan", None) is None:
-        raise ValueError(f"{tc.get('_class_name')} has no context-parallel plan in diffusers {diffusers.__version__} "
-                         f"(ModelMixin._cp_plan): set train.context_parallel=1")
+        raise ConfigError(f"{tc.get('_class_name')} has no context-parallel plan in diffusers {diffusers.__version__} "
+                          f"(ModelMixin._cp_plan): set train.context_parallel=1")
     seq_len = None
     patch = tc.get("patch_size")
     if sample_size and isinstance(patch, list) and len(patch) == 3:  # Wan: latents [C, F', H, W]
@@ -140,9 +142,9 @@ def check_backend(transformer, kind: str) -> None:
     """Refuse ring attention on a backend without a log-sum-exp (diffusers would fail at the first call)."""
     backend = attention_backend(transformer)
     if kind == "ring" and backend not in RING_BACKENDS:
-        raise ValueError(f"ring attention merges chunks by their log-sum-exp, which the {backend!r} attention backend "
-                         f"does not return; use kind='ulysses', or transformer.set_attention_backend(one of "
-                         f"{RING_BACKENDS}) on a GPU")
+        raise ConfigError(f"ring attention merges chunks by their log-sum-exp, which the {backend!r} attention backend "
+                          f"does not return; use kind='ulysses', or transformer.set_attention_backend(one of "
+                          f"{RING_BACKENDS}) on a GPU")
 
 
 def add_sequence_check(transformer, cp_degree: int) -> None:

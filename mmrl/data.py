@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from mmrl.errors import ConfigError
+
 
 @dataclass
 class Rollout:
@@ -133,13 +135,13 @@ def condition_images(example: dict, count: int) -> list:
 
     items = example.get("images", example.get("image"))
     if items is None:
-        raise ValueError(f"the model conditions on {'one or more images' if count < 0 else f'{count} image(s)'}, but "
-                         f"example {example.get('prompt', '')[:60]!r} has no `image` or `images` field; give each "
-                         f"prompt its image, e.g. a JSONL row {{\"prompt\": ..., \"image\": \"path.png\"}}")
+        raise ConfigError(f"the model conditions on {'one or more images' if count < 0 else f'{count} image(s)'}, but "
+                          f"example {example.get('prompt', '')[:60]!r} has no `image` or `images` field; give each "
+                          f"prompt its image, e.g. a JSONL row {{\"prompt\": ..., \"image\": \"path.png\"}}")
     items = [items] if isinstance(items, (str, Image.Image)) else list(items)
     if count > 0 and len(items) != count:
-        raise ValueError(f"the model takes {count} conditioning image(s); example {example.get('prompt', '')[:60]!r} "
-                         f"has {len(items)}")
+        raise ConfigError(f"the model takes {count} conditioning image(s); example {example.get('prompt', '')[:60]!r} "
+                          f"has {len(items)}")
     out = []
     for item in items:
         if isinstance(item, Image.Image):
@@ -149,8 +151,8 @@ def condition_images(example: dict, count: int) -> list:
             with Image.open(item) as im:
                 image = im.convert("RGB")
         except (OSError, ValueError) as e:
-            raise ValueError(f"conditioning image {item!r} of {example.get('prompt', '')[:60]!r} does not read as an "
-                             f"image ({e})") from None
+            raise ConfigError(f"conditioning image {item!r} of {example.get('prompt', '')[:60]!r} does not read as an "
+                              f"image ({e})") from None
         image.filename = str(item)  # the encoders' cache key
         out.append(image)
     return out

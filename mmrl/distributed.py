@@ -33,7 +33,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from mmrl.errors import ConfigError
+
 log = logging.getLogger(__name__)
+
 
 
 def launched() -> bool:
@@ -51,9 +54,9 @@ def check_parallel_config(cfg, world: int, folder: bool = True) -> None:
         from mmrl.context_parallel import check_cp, check_model_folder
 
         if world < cp:
-            raise ValueError(f"train.context_parallel={cp} splits each forward over {cp} processes; launch a multiple "
-                             f"of {cp} (torchrun --nproc_per_node {cp}; mmrl validate CONFIG --nproc {cp}) or set "
-                             f"train.context_parallel=1")
+            raise ConfigError(f"train.context_parallel={cp} splits each forward over {cp} processes; launch a multiple "
+                              f"of {cp} (torchrun --nproc_per_node {cp}; mmrl validate CONFIG --nproc {cp}) or set "
+                              f"train.context_parallel=1")
         check_cp(cp, world, kind=t.cp_kind)
         if folder:
             from mmrl.policy.base import resolve_model_path
@@ -66,15 +69,15 @@ def check_parallel_config(cfg, world: int, folder: bool = True) -> None:
     if world <= 1:
         return
     if t.parallel == "none":
-        raise ValueError(f"train.parallel=none on {world} processes: every process would train alone. Set "
-                         f"train.parallel=ddp (replicated weights) or fsdp (sharded weights)")
+        raise ConfigError(f"train.parallel=none on {world} processes: every process would train alone. Set "
+                          f"train.parallel=ddp (replicated weights) or fsdp (sharded weights)")
     if t.prompts_per_iter < world // cp:
-        raise ValueError(f"train.prompts_per_iter={t.prompts_per_iter} groups for {world // cp} data-parallel ranks "
-                         f"({world} processes / train.context_parallel={cp}): ranks shard whole groups, so every rank "
-                         f"needs one. Set train.prompts_per_iter >= {world // cp}")
+        raise ConfigError(f"train.prompts_per_iter={t.prompts_per_iter} groups for {world // cp} data-parallel ranks "
+                          f"({world} processes / train.context_parallel={cp}): ranks shard whole groups, so every rank "
+                          f"needs one. Set train.prompts_per_iter >= {world // cp}")
     if kind != "flow" and t.parallel == "fsdp" and cfg.sampler.engine != "prefix_cache":
-        raise ValueError("train.parallel=fsdp for token policies needs sampler.engine=prefix_cache (its decoding "
-                         "runs in lockstep across ranks, which FSDP's all-gathers need)")
+        raise ConfigError("train.parallel=fsdp for token policies needs sampler.engine=prefix_cache (its decoding "
+                          "runs in lockstep across ranks, which FSDP's all-gathers need)")
 
 
 class Distributed:

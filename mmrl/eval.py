@@ -21,6 +21,7 @@ import time
 
 from mmrl import compose
 from mmrl.config import sample_chunk
+from mmrl.errors import MissingFile
 from mmrl.evaluation import EVAL_SEED, evaluate_outputs
 from mmrl.reward import RewardRunner
 

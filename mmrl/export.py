@@ -13,6 +13,8 @@ import json
 import os
 import shutil
 
+from mmrl.errors import MissingFile, TargetExists
+
 
 def export(checkpoint: str, out: str) -> str:
     """Write the merged model of `checkpoint` (a policy folder, or a trainer checkpoint iter-N) to `out`."""
@@ -20,10 +22,10 @@ def export(checkpoint: str, out: str) -> str:
         checkpoint = os.path.join(checkpoint, "policy")
     meta_file = os.path.join(checkpoint, "mmrl_policy.json")
     if not os.path.isfile(meta_file):
-        raise FileNotFoundError(f"{checkpoint!r} has no mmrl_policy.json: point at a policy folder written by mmrl "
-                                f"(runs/NAME/checkpoints/iter-N or its policy/)")
+        raise MissingFile(f"{checkpoint!r} has no mmrl_policy.json: point at a policy folder written by mmrl "
+                          f"(runs/NAME/checkpoints/iter-N or its policy/)")
     if os.path.exists(out) and os.listdir(out):
-        raise FileExistsError(f"{out!r} exists and is not empty: choose a new folder")
+        raise TargetExists(f"{out!r} exists and is not empty: choose a new folder")
     meta = json.load(open(meta_file))
     tmp = out.rstrip("/") + ".tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)

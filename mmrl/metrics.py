@@ -17,6 +17,8 @@ import uuid
 
 import torch
 
+from mmrl.errors import ConfigError, MissingDependency
+
 log = logging.getLogger(__name__)
 
 
@@ -267,11 +269,11 @@ def check_report_to(names) -> list[str]:
     unknown = [n for n in names if n not in TRACKERS]
     if unknown:
         hints = "".join(f"; {NOT_TRACKERS[n]}" for n in unknown if n in NOT_TRACKERS)
-        raise ValueError(f"log.report_to: unknown tracker(s) {', '.join(map(repr, unknown))}; valid: "
-                         f"{', '.join(TRACKERS)}{hints}")
+        raise ConfigError(f"log.report_to: unknown tracker(s) {', '.join(map(repr, unknown))}; valid: "
+                          f"{', '.join(TRACKERS)}{hints}")
     for n in names:
         if importlib.util.find_spec(TRACKERS[n].package) is None:
-            raise ImportError(f"log.report_to={n} needs the {TRACKERS[n].package} package: pip install 'mmrl[{n}]'")
+            raise MissingDependency(f"log.report_to={n} needs the {TRACKERS[n].package} package: pip install 'mmrl[{n}]'")
     return names
 
 

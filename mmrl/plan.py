@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmrl.config import policy_kind, sample_chunk
 from mmrl.distributed import check_parallel_config, transformer_blocks
+from mmrl.errors import ConfigError, MissingFile
 from mmrl.models.families import all_architectures
 from mmrl.policy.base import reference_kind
 
@@ -275,12 +276,12 @@ def _check_layout(cfg, world: int, cp: int, folder: bool) -> None:
     import dataclasses
 
     if world < 1 or cp < 1:
-        raise ValueError(f"--world and --cp must be >= 1, got {world} and {cp}")
+        raise ConfigError(f"--world and --cp must be >= 1, got {world} and {cp}")
     if world * cp > 1 and cfg.train.parallel == "none":
-        raise ValueError(f"train.parallel=none on {world * cp} GPUs: every process would train alone. Set "
-                         f"train.parallel=ddp (replicated weights) or fsdp (sharded weights)")
+        raise ConfigError(f"train.parallel=none on {world * cp} GPUs: every process would train alone. Set "
+                          f"train.parallel=ddp (replicated weights) or fsdp (sharded weights)")
     if cp > 1 and policy_kind(cfg.model.policy) != "flow":
-        raise ValueError("--cp splits a flow transformer's video tokens (mmrl/context_parallel.py); token policies: --cp 1")
+        raise ConfigError("--cp splits a flow transformer's video tokens (mmrl/context_parallel.py); token policies: --cp 1")
     check_parallel_config(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, context_parallel=cp)),
                           world * cp, folder=folder)
 
@@ -300,14 +301,14 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
     arch = None
     if arch_name:
         if arch_name not in all_architectures():
-            raise ValueError(f"unknown architecture {arch_name!r}; known: {sorted(all_architectures())}")
+            raise ConfigError(f"unknown architecture {arch_name!r}; known: {sorted(all_architectures())}")
         arch = all_architectures()[arch_name]
         if arch["policy"] != policy_kind(cfg.model.policy):
-            raise ValueError(f"--arch {arch_name} is a {arch['policy']} model but the config has "
-                             f"model.policy={cfg.model.policy}")
+            raise ConfigError(f"--arch {arch_name} is a {arch['policy']} model but the config has "
+                              f"model.policy={cfg.model.policy}")
     elif not os.path.isdir(cfg.model.path):
-        raise FileNotFoundError(f"model.path={cfg.model.path!r} does not exist: point it at a model folder, or plan "
-                                f"a published architecture with --arch ({', '.join(sorted(all_architectures()))})")
+        raise MissingFile(f"model.path={cfg.model.path!r} does not exist: point it at a model folder, or plan "
+                          f"a published architecture with --arch ({', '.join(sorted(all_architectures()))})")
     t, s = cfg.train, cfg.sampler
     n_rows = t.prompts_per_iter * t.group_size
     rank_rows = -(-t.prompts_per_iter // world) * t.group_size   # the most rows one rank samples
@@ -316,7 +317,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
     dtype = _DTYPES[cfg.model.dtype]
     text, vae, decode, out_bytes, stored, chain, cache = [], None, 0, 0, 0, 0, 0
     if policy_kind(cfg.model.policy) is None:
-        raise ValueError(f"mmrl plan knows the built-in policies (flow, token), not model.policy={cfg.model.policy}")
+        raise ConfigError(f"mmrl plan knows the built-in policies (flow, token), not model.policy={cfg.model.policy}")
     if policy_kind(cfg.model.policy) == "flow":
         from mmrl.algorithms.objective import build_objective
         from mmrl.sampling.flow_sde import strided_schedule
@@ -325,7 +326,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
         call, latent, text_tokens, enc_dim, pooled_dim = inputs[:5]
         name = type(model).__name__
         if cp > 1 and not getattr(type(model), "_cp_plan", None):
-            raise ValueError(f"--cp {cp}: diffusers has no context-parallel plan for {name}; use --cp 1")
+            raise ConfigError(f"--cp {cp}: diffusers has no context-parallel plan for {name}; use --cp 1")
         targets = list(inputs.lora_targets or family.lora_targets)
         _prepare(model, cfg, targets)
         cfg_rows = 2 if s.cfg_scale != 1.0 else 1

@@ -21,6 +21,7 @@ import os
 from mmrl import compose
 from mmrl.config import Config, policy_kind
 from mmrl.distributed import check_parallel_config
+from mmrl.errors import ConfigError, MissingFile
 from mmrl.metrics import check_report_to
 from mmrl.models.families import family_for
 from mmrl.models.pipelines import missing_parts
@@ -67,20 +68,20 @@ def _check_model(cfg: Config, config_path: str | None) -> None:
             try:
                 index = json.load(open(f, encoding="utf-8"))
             except (ValueError, UnicodeDecodeError) as e:
-                raise ValueError(f"{f} does not read as JSON ({e}): the model folder is damaged") from None
+                raise ConfigError(f"{f} does not read as JSON ({e}): the model folder is damaged") from None
             if name == "model_index.json":  # a diffusers pipeline: each component's folder
                 family_for(index.get("_class_name"), cfg.model.family, where=f)  # a family loads it
                 missing = missing_parts(path, index)
                 if missing:
-                    raise FileNotFoundError(f"model.path={path!r}: model_index.json names {missing}, but the folder "
-                                            f"has no {', '.join(m + '/' for m in missing)}; copy the whole pipeline")
+                    raise MissingFile(f"model.path={path!r}: model_index.json names {missing}, but the folder "
+                                      f"has no {', '.join(m + '/' for m in missing)}; copy the whole pipeline")
             return
     if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
-        raise ValueError(f"model.path={path!r} is an mmrl policy checkpoint; set model.path to a base model folder "
-                         f"(export the checkpoint with `mmrl export` to train on from it)")
+        raise ConfigError(f"model.path={path!r} is an mmrl policy checkpoint; set model.path to a base model folder "
+                          f"(export the checkpoint with `mmrl export` to train on from it)")
     want = "model_index.json (a diffusers pipeline)" if policy_kind(cfg.model.policy) == "flow" else \
         "config.json (a transformers model)"
-    raise FileNotFoundError(f"model.path={path!r} has no {want}: point it at the model's folder")
+    raise MissingFile(f"model.path={path!r} has no {want}: point it at the model's folder")
 
 
 def _check_path(key: str, path: str, config_path: str | None, text: bool = False) -> None:
@@ -88,16 +89,16 @@ def _check_path(key: str, path: str, config_path: str | None, text: bool = False
         near = os.path.join(os.path.dirname(config_path), path) if config_path and not os.path.isabs(path) else None
         hint = f"; it exists next to the config file: use {key}={os.path.abspath(near)}" \
             if near and os.path.exists(near) else ""
-        raise FileNotFoundError(f"{key}={path!r} does not exist (paths in a config are relative to the working "
-                                f"directory {os.getcwd()}; only base: is relative to the config file){hint}")
+        raise MissingFile(f"{key}={path!r} does not exist (paths in a config are relative to the working "
+                          f"directory {os.getcwd()}; only base: is relative to the config file){hint}")
     if text and os.path.isfile(path):
         with open(path, "rb") as f:
             for i, line in enumerate(f, 1):
                 try:
                     line.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    raise ValueError(f"{path}:{i}: not UTF-8 (byte {e.start + 1} of the line); save {key} as "
-                                     f"UTF-8") from None
+                    raise ConfigError(f"{path}:{i}: not UTF-8 (byte {e.start + 1} of the line); save {key} as "
+                                      f"UTF-8") from None
 
 
 def _check_kwargs(registry, name: str, kwargs: dict, where: str, config_path: str | None) -> None:

@@ -13,12 +13,14 @@ import difflib
 import importlib
 from typing import Any, Callable
 
+from mmrl.errors import ConfigError, MissingDependency, UnknownName
+
 
 def import_path(path: str) -> Any:
     """`"package.module:Name"` (or `"package.module:Outer.Inner"`) -> the object."""
     module, _, attr = path.partition(":")
     if not module or not attr:
-        raise ValueError(f"{path!r} is not an import path; write package.module:Name")
+        raise ConfigError(f"{path!r} is not an import path; write package.module:Name")
     obj = importlib.import_module(module)
     for part in attr.split("."):
         obj = getattr(obj, part)
@@ -50,12 +52,12 @@ class Registry(dict):
             try:
                 return import_path(name)
             except (ImportError, AttributeError) as e:
-                raise KeyError(f"{self.axis} {name!r} could not be imported ({type(e).__name__}: {e}); put its "
-                               f"module's file in the working directory or next to the config file (the mmrl command "
-                               f"looks there), or on PYTHONPATH") from e
+                raise UnknownName(f"{self.axis} {name!r} could not be imported ({type(e).__name__}: {e}); put its "
+                                  f"module's file in the working directory or next to the config file (the mmrl command "
+                                  f"looks there), or on PYTHONPATH") from e
         close = difflib.get_close_matches(str(name), list(self), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise KeyError(f"unknown {self.axis} {name!r}; valid: {sorted(self)} or a package.module:Name path.{hint}")
+        raise UnknownName(f"unknown {self.axis} {name!r}; valid: {sorted(self)} or a package.module:Name path.{hint}")
 
     def get(self, name, default=None):
         try:
@@ -71,4 +73,4 @@ class Registry(dict):
         try:
             self[name]
         except KeyError as e:
-            raise ValueError(f"{where}: {e.args[0]}") from None
+            raise ConfigError(f"{where}: {e.args[0]}") from None

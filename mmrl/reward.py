@@ -18,6 +18,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
+from mmrl.errors import ConfigError
 from mmrl.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -62,18 +63,18 @@ def weight_schedule(value, where: str = "weight") -> Callable[[int], float]:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         w = float(value)
         if not math.isfinite(w):
-            raise ValueError(f"{where}={value}: a weight must be finite")
+            raise ConfigError(f"{where}={value}: a weight must be finite")
         return lambda it: w
     try:
         points = [(int(i), float(w)) for i, w in value]
         if any(float(i) != int(i) for i, _ in value):
             raise ValueError
     except (TypeError, ValueError):
-        raise ValueError(f"{where}={value!r}: give a number or a list of [iteration, weight] points, e.g. "
-                         f"[[0, 1.0], [50, 0.0]]") from None
+        raise ConfigError(f"{where}={value!r}: give a number or a list of [iteration, weight] points, e.g. "
+                          f"[[0, 1.0], [50, 0.0]]") from None
     its = [i for i, _ in points]
     if not points or its != sorted(its) or its[0] < 0 or not all(math.isfinite(w) for _, w in points):
-        raise ValueError(f"{where}={value!r}: the points need iterations >= 0 in increasing order and finite weights")
+        raise ConfigError(f"{where}={value!r}: the points need iterations >= 0 in increasing order and finite weights")
 
     def at(it: int) -> float:
         if it <= its[0]:
@@ -96,10 +97,10 @@ class MultiReward:
 
     def __init__(self, components: dict):
         if not components:
-            raise ValueError("reward.name=multi needs reward.kwargs.components: {label: {name:, weight:, kwargs:}}")
+            raise ConfigError("reward.name=multi needs reward.kwargs.components: {label: {name:, weight:, kwargs:}}")
         for label in components:
             if "/" in label:
-                raise ValueError(f"reward component label {label!r} must not contain '/'")
+                raise ConfigError(f"reward component label {label!r} must not contain '/'")
         self.rewards = {label: c["reward"] for label, c in components.items()}
         self.schedules = {label: weight_schedule(c.get("weight", 1.0), f"reward.kwargs.components.{label}.weight")
                           for label, c in components.items()}

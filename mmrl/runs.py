@@ -18,6 +18,7 @@ import shutil
 
 from mmrl.checkpoint import checkpoints, latest
 from mmrl.config import Config, to_dict
+from mmrl.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ NOT_BREAKING = ("model.offload", "model.text_cache")
 QUIET = ("log.", "train.iterations", "train.time_budget_min")  # extending or relogging a run: no warning
 
 
-class RunDirError(ValueError):
+class RunDirError(UserError, ValueError):
     """A run folder that cannot be used as asked (mmrl prints it as one message, no traceback)."""
 
 
@@ -119,12 +120,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     if trainer.dist.main:  # one writer
         with open(os.path.join(cfg.log.out_dir, "config.json"), "w") as f:
             json.dump(to_dict(cfg), f, indent=2)
-    try:
-        results = trainer.fit()
-    except Exception as e:  # after the first iteration, not a user error to print in one line: keep the traceback
-        if trainer.iteration > 0:
-            e.mmrl_traceback = True
-        raise
+    results = trainer.fit()
     trainer.dist.close()
     if trainer.dist.main:
         out = cfg.log.out_dir

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from mmrl import compose
 from mmrl.checkpoint import latest
+from mmrl.errors import ConfigError, MissingFile
 from mmrl.eval import policy_folder
 from mmrl.metrics import video_strips
 
@@ -78,7 +79,7 @@ def run(args) -> int:
     prompts = [x for x in args.prompts or [] if not is_override(x)]
     examples = read_prompts(prompts) if prompts else compose.build_task(cfg.task).eval_examples()[:args.n]
     if not examples:
-        raise ValueError("no prompts: give --prompts FILE_OR_TEXT, or --n > 0")
+        raise ConfigError("no prompts: give --prompts FILE_OR_TEXT, or --n > 0")
     out = args.out or os.path.join("runs", "samples", os.path.splitext(os.path.basename(args.config))[0])
     sample(cfg, columns, examples, out, args.seed, args.fps)
     return 0
@@ -93,18 +94,18 @@ def is_override(item: str) -> bool:
 def resolve_checkpoint(path: str) -> str:
     """A run folder means its latest checkpoints/iter-N; a checkpoint, policy or model folder stays as given."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist: give a run folder (log.out_dir), "
-                                f"runs/NAME/checkpoints/iter-N, its policy/ folder, or a model folder")
+        raise MissingFile(f"checkpoint {path!r} does not exist: give a run folder (log.out_dir), "
+                          f"runs/NAME/checkpoints/iter-N, its policy/ folder, or a model folder")
     if os.path.isdir(os.path.join(path, "checkpoints")):
         found = latest(os.path.join(path, "checkpoints"))
         if found is None:
-            raise FileNotFoundError(f"run folder {path!r} has no checkpoints/iter-N yet: train longer than "
-                                    f"log.save_every iterations, or give a checkpoint folder")
+            raise MissingFile(f"run folder {path!r} has no checkpoints/iter-N yet: train longer than "
+                              f"log.save_every iterations, or give a checkpoint folder")
         return found
     if policy_folder(path) is None and not any(os.path.isfile(os.path.join(path, f))
                                                for f in ("model_index.json", "config.json")):
-        raise FileNotFoundError(f"{path!r} is neither a checkpoint (no mmrl_policy.json in it or in its policy/) "
-                                f"nor a model folder (no model_index.json or config.json)")
+        raise MissingFile(f"{path!r} is neither a checkpoint (no mmrl_policy.json in it or in its policy/) "
+                          f"nor a model folder (no model_index.json or config.json)")
     return path
 
 
@@ -122,9 +123,9 @@ def labels(paths: list[str]) -> list[str]:
 def check_base_model(cfg, paths: list[str | None]) -> None:
     """model.path must exist when the base is sampled or a checkpoint's weights load into it."""
     if any(p is None or policy_folder(p) for p in paths) and not os.path.isdir(cfg.model.path):
-        raise FileNotFoundError(f"the config's model.path={cfg.model.path!r} does not exist: give the base model "
-                                f"folder as model.path=FOLDER (a diffusers pipeline, an mmrl pixel model or a "
-                                f"transformers model)")
+        raise MissingFile(f"the config's model.path={cfg.model.path!r} does not exist: give the base model "
+                          f"folder as model.path=FOLDER (a diffusers pipeline, an mmrl pixel model or a "
+                          f"transformers model)")
 
 
 def read_prompts(items: list[str]) -> list[dict]:
@@ -135,17 +136,17 @@ def read_prompts(items: list[str]) -> list[dict]:
             examples.append({"prompt": item})
             continue
         if not os.path.isfile(item):
-            raise FileNotFoundError(f"prompts file {item!r} does not exist")
+            raise MissingFile(f"prompts file {item!r} does not exist")
         with open(item, encoding="utf-8") as f:
             lines = [ln.strip() for ln in f]
         rows = ([json.loads(ln) for ln in lines if ln] if item.endswith(".jsonl") else
                 [{"prompt": ln} for ln in lines if ln and not ln.startswith("#")])
         if not rows:
-            raise ValueError(f"prompts file {item!r} has no prompts: one per line ('#' lines are comments), or "
-                             f"one JSON object with a \"prompt\" field per line (.jsonl)")
+            raise ConfigError(f"prompts file {item!r} has no prompts: one per line ('#' lines are comments), or "
+                              f"one JSON object with a \"prompt\" field per line (.jsonl)")
         bad = [i + 1 for i, r in enumerate(rows) if not isinstance(r, dict) or "prompt" not in r]
         if bad:
-            raise ValueError(f"prompts file {item!r}: rows {bad[:5]} have no \"prompt\" field")
+            raise ConfigError(f"prompts file {item!r}: rows {bad[:5]} have no \"prompt\" field")
         examples += rows
     return examples
 

@@ -20,6 +20,7 @@ import os
 import random
 from typing import Protocol, runtime_checkable
 
+from mmrl.errors import ConfigError, MissingDependency, MissingFile
 from mmrl.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -63,10 +64,10 @@ class PromptFileTask:
                  dataset: str | None = None, split: str = "train", prompt_column: str = "prompt"):
         prompt_file = getattr(cfg, "prompt_file", None)
         if dataset and prompt_file:
-            raise ValueError("give task.prompt_file or task.kwargs.dataset, not both")
+            raise ConfigError("give task.prompt_file or task.kwargs.dataset, not both")
         if eval_file is not None and heldout_fraction is not None:
-            raise ValueError("give task.kwargs.eval_file (a held-out file) or task.kwargs.heldout_fraction "
-                             "(a seeded split of the prompts), not both")
+            raise ConfigError("give task.kwargs.eval_file (a held-out file) or task.kwargs.heldout_fraction "
+                              "(a seeded split of the prompts), not both")
         examples = (read_dataset(dataset, split, prompt_column) if dataset
                     else read_prompts(prompt_file, prompt_column, "task.prompt_file"))
         if eval_file is not None:
@@ -98,11 +99,11 @@ def read_prompts(path: str | None, prompt_column: str = "prompt", where: str = "
     """Examples ({"prompt": ..., **other fields}) from a prompt file, read by its extension (FORMATS; any other
     extension is read as .txt). Errors name the file, the line and what was expected."""
     if not path or not os.path.isfile(path):
-        raise FileNotFoundError(f"{where}={path!r} does not exist; give a prompt file: .txt ({FORMATS['.txt']}), "
-                                f".jsonl, .csv or .tsv")
+        raise MissingFile(f"{where}={path!r} does not exist; give a prompt file: .txt ({FORMATS['.txt']}), "
+                          f".jsonl, .csv or .tsv")
     ext = os.path.splitext(path)[1].lower()
     if ext == ".json":
-        raise ValueError(f"{path}: .json is not read; write one object per line as .jsonl ({FORMATS['.jsonl']})")
+        raise ConfigError(f"{path}: .json is not read; write one object per line as .jsonl ({FORMATS['.jsonl']})")
     text = _decode(path)
     if ext == ".jsonl":
         examples = _read_jsonl(path, text, prompt_column)
@@ -111,7 +112,7 @@ def read_prompts(path: str | None, prompt_column: str = "prompt", where: str = "
     else:
         examples = [{"prompt": s} for s in (ln.strip() for ln in text.splitlines()) if s and not s.startswith("#")]
     if not examples:
-        raise ValueError(f"{where}={path!r} has no prompts; expected {FORMATS.get(ext, FORMATS['.txt'])}")
+        raise ConfigError(f"{where}={path!r} has no prompts; expected {FORMATS.get(ext, FORMATS['.txt'])}")
     return [_with_image_paths(ex, os.path.dirname(os.path.abspath(path))) for ex in examples]
 
 
@@ -136,8 +137,8 @@ def _decode(path: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"{path}:{line}: byte {data[e.start]:#04x} is not UTF-8; save it as UTF-8 (e.g. "
-                         f"`iconv -f latin1 -t utf-8 {path} > utf8_{os.path.basename(path)}`)") from None
+        raise ConfigError(f"{path}:{line}: byte {data[e.start]:#04x} is not UTF-8; save it as UTF-8 (e.g. "
+                          f"`iconv -f latin1 -t utf-8 {path} > utf8_{os.path.basename(path)}`)") from None
 
 
 def jsonl_rows(path: str, text: str, expected: str = FORMATS[".jsonl"]):
@@ -149,7 +150,7 @@ def jsonl_rows(path: str, text: str, expected: str = FORMATS[".jsonl"]):
         try:
             yield f"{path}:{i}", json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}); expected {expected}") from None
+            raise ConfigError(f"{path}:{i}: not valid JSON ({e.msg}); expected {expected}") from None
 
 
 def _read_jsonl(path: str, text: str, prompt_column: str) -> list[dict]:
@@ -160,19 +161,19 @@ def _read_csv(path: str, text: str, prompt_column: str, delimiter: str) -> list[
     reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
     try:
         if reader.fieldnames and prompt_column not in reader.fieldnames:
-            raise ValueError(f"{path}:1: no {prompt_column!r} column; the header has {reader.fieldnames}. Name the "
-                             f"prompt column {prompt_column!r} or set task.kwargs.prompt_column")
+            raise ConfigError(f"{path}:1: no {prompt_column!r} column; the header has {reader.fieldnames}. Name the "
+                              f"prompt column {prompt_column!r} or set task.kwargs.prompt_column")
         return [_example({k: v for k, v in row.items() if k is not None}, prompt_column, f"{path}:{reader.line_num}")
                 for row in reader]
     except csv.Error as e:
-        raise ValueError(f"{path}:{reader.line_num}: {e}") from None
+        raise ConfigError(f"{path}:{reader.line_num}: {e}") from None
 
 
 def _example(row, prompt_column: str, where: str) -> dict:
     """{"prompt": row[prompt_column], **the other fields}; a row without a non-empty prompt string fails at `where`."""
     prompt = row.get(prompt_column) if isinstance(row, dict) else None
     if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(f"{where}: expected a row with a non-empty {prompt_column!r} string, got {repr(row)[:200]}")
+        raise ConfigError(f"{where}: expected a row with a non-empty {prompt_column!r} string, got {repr(row)[:200]}")
     return {"prompt": prompt.strip(), **{k: v for k, v in row.items() if k not in (prompt_column, "prompt")}}
 
 
@@ -181,17 +182,17 @@ def read_dataset(name: str, split: str = "train", prompt_column: str = "prompt")
     try:
         import datasets
     except ImportError:
-        raise ImportError("task.kwargs.dataset needs the Hugging Face datasets library: pip install datasets "
-                          "(or export the prompts to a .jsonl / .csv file and set task.prompt_file)") from None
+        raise MissingDependency("task.kwargs.dataset needs the Hugging Face datasets library: pip install datasets "
+                                "(or export the prompts to a .jsonl / .csv file and set task.prompt_file)") from None
     saved = any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json"))
     ds = datasets.load_from_disk(name) if saved else datasets.load_dataset(name, split=split)
     if isinstance(ds, dict):  # a saved DatasetDict
         if split not in ds:
-            raise ValueError(f"task.kwargs.dataset={name!r} has no split {split!r}; it has {sorted(ds)}")
+            raise ConfigError(f"task.kwargs.dataset={name!r} has no split {split!r}; it has {sorted(ds)}")
         ds = ds[split]
     if prompt_column not in ds.column_names:
-        raise ValueError(f"task.kwargs.dataset={name!r} [{split}] has no {prompt_column!r} column; it has "
-                         f"{ds.column_names}: set task.kwargs.prompt_column")
+        raise ConfigError(f"task.kwargs.dataset={name!r} [{split}] has no {prompt_column!r} column; it has "
+                          f"{ds.column_names}: set task.kwargs.prompt_column")
     return [_example(row, prompt_column, f"{name}[{split}] row {i}") for i, row in enumerate(ds)]
 
 
@@ -200,9 +201,9 @@ def split_heldout(examples: list[dict], fraction: float, seed: int = 0) -> tuple
     texts, so the split is the same on every machine and rank whatever the row order. Every row of a held-out text
     is held out: the benchmark never scores a text trained on."""
     if not 0 < fraction < 1:
-        raise ValueError(f"task.kwargs.heldout_fraction must be in (0, 1), got {fraction}")
+        raise ConfigError(f"task.kwargs.heldout_fraction must be in (0, 1), got {fraction}")
     texts = sorted({e["prompt"] for e in examples})
     if len(texts) < 2:
-        raise ValueError(f"task.kwargs.heldout_fraction needs at least 2 distinct prompts, got {len(texts)}")
+        raise ConfigError(f"task.kwargs.heldout_fraction needs at least 2 distinct prompts, got {len(texts)}")
     held = set(random.Random(seed).sample(texts, min(len(texts) - 1, max(1, round(fraction * len(texts))))))
     return [e for e in examples if e["prompt"] not in held], [e for e in examples if e["prompt"] in held]

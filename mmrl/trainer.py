@@ -28,6 +28,7 @@ from mmrl.algorithms.offpolicy import injection_diagnostics
 from mmrl.config import Config, sample_chunk
 from mmrl.data import Rollout, micro_batches
 from mmrl.distributed import Distributed, check_parallel_config, full
+from mmrl.errors import ConfigError
 from mmrl.evaluation import EVAL_SEED, evaluate_outputs
 from mmrl.metrics import Logger, SignalWatch, Timer, per_category, perf
 from mmrl.rollout.collect import Collector
@@ -65,7 +66,7 @@ class Trainer:
         self.credit = CREDIT_ASSIGNMENTS[compose.credit_name(cfg)]
         self.params = list(self.policy.trainable_parameters())
         if not self.params:
-            raise ValueError("the policy has no trainable parameters (check model.lora settings)")
+            raise ConfigError("the policy has no trainable parameters (check model.lora settings)")
         self.opt = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.ema = EMA(self.params, cfg.train.ema_decay, self.dist.reshard) if cfg.train.ema_decay > 0 else None
         self.iteration = 0

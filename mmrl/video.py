@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from mmrl.cache import BoundedCache
+from mmrl.errors import ConfigError
 
 BACKENDS = ("decord", "torchcodec")
 _last_error = threading.local()
@@ -78,7 +79,7 @@ def _install_backend(backend: str) -> None:
     from qwen_vl_utils import vision_process as vp
 
     if backend not in BACKENDS:
-        raise ValueError(f"unknown video backend {backend!r}; valid: {BACKENDS}")
+        raise ConfigError(f"unknown video backend {backend!r}; valid: {BACKENDS}")
     vp.logger.setLevel(max(vp.logger.level, logging.WARNING))  # it logs one INFO line per decoded video
     vp.FORCE_QWENVL_VIDEO_READER = backend
     readers = vp.VIDEO_READER_BACKENDS

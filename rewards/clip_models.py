@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mmrl.errors import ConfigError
+
 
 def clip_preprocess(images: torch.Tensor, size: int, mean, std) -> torch.Tensor:
     """[N, 3, H, W] in [-1, 1] -> [N, 3, size, size] normalized: resize the short side to `size` (bicubic,
@@ -84,8 +86,8 @@ def require_weights(name: str, given: dict, random_weights: bool) -> None:
     """A reward model without its checkpoint scores with random weights: refuse unless asked for explicitly."""
     missing = [k for k, v in given.items() if not v]
     if missing and not random_weights:
-        raise ValueError(f"{name}: no weights given ({', '.join(missing)}): a random-init reward model scores noise. "
-                         f"Pass the checkpoint path(s) in reward.kwargs, or random_weights: true for a smoke test")
+        raise ConfigError(f"{name}: no weights given ({', '.join(missing)}): a random-init reward model scores noise. "
+                          f"Pass the checkpoint path(s) in reward.kwargs, or random_weights: true for a smoke test")
 
 
 class _OpenClipReward:
@@ -112,7 +114,7 @@ class _OpenClipReward:
             missing, _ = model.load_state_dict({k: v for k, v in state.items() if k not in OPENAI_META_KEYS},
                                                strict=False)
             if missing:
-                raise ValueError(f"{self.pretrained}: not a {self.arch} checkpoint, missing {missing[:4]} ...")
+                raise ConfigError(f"{self.pretrained}: not a {self.arch} checkpoint, missing {missing[:4]} ...")
         return model
 
     def _load(self):

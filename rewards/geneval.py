@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mmrl.errors import ConfigError
+
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
 RELATIONS = ("left of", "right of", "above", "below")
@@ -61,7 +63,7 @@ class Rules:
 def check_metadata(row, where: str) -> dict:
     """The row if it is GenEval metadata, else ValueError naming `where` (file:line, example i) and the field."""
     def fail(msg):
-        raise ValueError(f"{where}: {msg}; expected GenEval metadata like {EXAMPLE_ROW}")
+        raise ConfigError(f"{where}: {msg}; expected GenEval metadata like {EXAMPLE_ROW}")
 
     def count_ok(c):
         return isinstance(c, int) and not isinstance(c, bool) and c >= 1
@@ -392,7 +394,7 @@ class GenEvalReward:
                  max_objects: int = 16, max_overlap: float = 0.3, position_threshold: float = 0.1,
                  query_template: str = "a photo of a {}", tags: tuple[str, ...] | list[str] = TAGS):
         if detector not in DETECTORS:
-            raise ValueError(f"reward.kwargs.detector={detector!r} is not one of {sorted(DETECTORS)}")
+            raise ConfigError(f"reward.kwargs.detector={detector!r} is not one of {sorted(DETECTORS)}")
         self.rules = Rules(threshold, counting_threshold, max_objects, max_overlap, position_threshold)
         self.detector = DETECTORS[detector](detector_path, device, query_template)
         self.colors = _ClipColors(clip_path, device, batch_size) if clip_path else None
@@ -402,14 +404,14 @@ class GenEvalReward:
         metas = []
         for i, ex in enumerate(examples):
             if not isinstance(ex, dict) or "include" not in ex:
-                raise ValueError(f"example {i} ({ex if isinstance(ex, str) else ex.get('prompt')!r}) has no GenEval "
-                                 f"metadata: use task.name=geneval, or a .jsonl prompt file of GenEval rows")
+                raise ConfigError(f"example {i} ({ex if isinstance(ex, str) else ex.get('prompt')!r}) has no GenEval "
+                                  f"metadata: use task.name=geneval, or a .jsonl prompt file of GenEval rows")
             meta = check_metadata(ex, f"example {i}")
             if meta["tag"] not in self.tags:
-                raise ValueError(f"example {i} has tag {meta['tag']!r}; the reward's tags are {list(self.tags)}")
+                raise ConfigError(f"example {i} has tag {meta['tag']!r}; the reward's tags are {list(self.tags)}")
             if self.colors is None and any("color" in c for c in meta["include"]):
-                raise ValueError(f"example {i} ({meta['prompt']!r}) asks a colour: set reward.kwargs.clip_path to a "
-                                 f"CLIPModel folder (GenEval uses OpenAI CLIP ViT-L/14)")
+                raise ConfigError(f"example {i} ({meta['prompt']!r}) asks a colour: set reward.kwargs.clip_path to a "
+                                  f"CLIPModel folder (GenEval uses OpenAI CLIP ViT-L/14)")
             metas.append(meta)
         return metas
 

@@ -17,6 +17,8 @@ import re
 
 import torch
 
+from mmrl.errors import ConfigError
+
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 _SPAN = re.compile(r"(-?\d+\.?\d*)\s*(?:to|and|-)\s*(-?\d+\.?\d*)")  # signed: "-3 to 4" starts at -3
 _FORMAT = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.S)
@@ -114,11 +116,11 @@ reaches hit_threshold (an R1@m-shaped bonus that pays for tight windows, not hed
     def __init__(self, accuracy: str = "iou", iou_weight: float = 1.0, format_weight: float = 0.1,
                  hit_weight: float = 0.0, hit_threshold: float = 0.7, coarse: str | None = None):
         if accuracy not in ("iou", "iou_v2"):
-            raise ValueError(f"accuracy must be 'iou' or 'iou_v2', got {accuracy!r}")
+            raise ConfigError(f"accuracy must be 'iou' or 'iou_v2', got {accuracy!r}")
         if coarse not in COARSE:
-            raise ValueError(f"coarse must be one of {[k for k in COARSE if k]} or None (the raw IoU), got {coarse!r}")
+            raise ConfigError(f"coarse must be one of {[k for k in COARSE if k]} or None (the raw IoU), got {coarse!r}")
         if not 0.0 < hit_threshold <= 1.0:
-            raise ValueError(f"hit_threshold must be in (0, 1], got {hit_threshold}")
+            raise ConfigError(f"hit_threshold must be in (0, 1], got {hit_threshold}")
         self.accuracy, self.iou_weight, self.format_weight = accuracy, iou_weight, format_weight
         self.hit_weight, self.hit_threshold, self.coarse = hit_weight, hit_threshold, coarse
 

@@ -18,6 +18,7 @@ import re
 
 import torch
 
+from mmrl.errors import ConfigError
 from rewards.clip_models import AestheticMLP, _prompts, clip_preprocess, load_state
 
 MEAN, STD = 0.16717362830052426, 1.0333394966054072
@@ -85,7 +86,7 @@ class ImageReward:
             model = ImageRewardModel(self.config["vision"], self.config["text"])
             missing, _ = model.load_state_dict(convert_checkpoint(load_state(self.checkpoint)), strict=False)
             if missing:
-                raise ValueError(f"{self.checkpoint}: not an ImageReward checkpoint, missing {missing[:4]} ...")
+                raise ConfigError(f"{self.checkpoint}: not an ImageReward checkpoint, missing {missing[:4]} ...")
             self.model = model.to(self.device).eval().requires_grad_(False)
             self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
             self.size = self.config["vision"]["image_size"]

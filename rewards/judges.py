@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmrl.errors import ConfigError
 from mmrl.registry import Registry
 from rewards import unified_reward_prompts as ur
 
@@ -161,8 +162,8 @@ def show(output: torch.Tensor, media: str, frames: int) -> list:
     want = 3 if media == "image" else 4
     if output.dim() != want:
         kind = "images [N, 3, H, W]" if media == "image" else "videos [N, 3, F, H, W]"
-        raise ValueError(f"this judge style shows {media} inputs and takes {kind}; got outputs of shape "
-                         f"[N, {', '.join(map(str, output.shape))}]: pick a style for this modality")
+        raise ConfigError(f"this judge style shows {media} inputs and takes {kind}; got outputs of shape "
+                          f"[N, {', '.join(map(str, output.shape))}]: pick a style for this modality")
     if media == "image":
         return [to_pil(output)]
     if media == "video":
@@ -198,7 +199,7 @@ class ChatVLM:
 
             model, proc = load_token_model(self.path, self.dtype, self.device, self.trust_remote_code)
             if not hasattr(proc, "image_processor"):
-                raise ValueError(f"judge path {self.path!r} is a text-only model; an image/video judge needs a VLM")
+                raise ConfigError(f"judge path {self.path!r} is a text-only model; an image/video judge needs a VLM")
             proc.tokenizer.padding_side = "left"  # generation continues every row at its end
             self.model, self.processor = model.eval(), proc
         return self.model, self.processor
@@ -326,11 +327,11 @@ class UnifiedRewardScore:
         self.style = POINTWISE_STYLES[style]
         unknown = set(weights or {}) - set(self.style.scores)
         if unknown:
-            raise ValueError(f"weights name {sorted(unknown)}, not scores of style {style!r}: "
-                             f"{sorted(self.style.scores)}")
+            raise ConfigError(f"weights name {sorted(unknown)}, not scores of style {style!r}: "
+                              f"{sorted(self.style.scores)}")
         self.weights = {k: float((weights or {}).get(k, 1.0)) for k in self.style.scores}
         if min(self.weights.values()) < 0 or sum(self.weights.values()) <= 0:
-            raise ValueError(f"weights must be >= 0 with a positive sum; got {self.weights}")
+            raise ConfigError(f"weights must be >= 0 with a positive sum; got {self.weights}")
         self.prompt, self.batch_size = prompt or self.style.prompt, batch_size
         self.scale = 1.0 / self.style.hi if scale is None else scale
         self.frames = num_frames or self.style.frames

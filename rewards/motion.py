@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mmrl.errors import ConfigError
 from tasks.motion import COLORS, DIRECTIONS, parse
 from tasks.shapes import BACKGROUND
 
@@ -65,7 +66,7 @@ class MotionReward:
 
     def __init__(self, correct_weight: float = 0.5, min_area: int = 3):
         if not 0.0 <= correct_weight <= 1.0:
-            raise ValueError(f"correct_weight must be in [0, 1], got {correct_weight}")
+            raise ConfigError(f"correct_weight must be in [0, 1], got {correct_weight}")
         self.correct_weight, self.min_area = correct_weight, min_area
 
     def __call__(self, outputs: torch.Tensor, examples) -> dict[str, torch.Tensor]:

@@ -15,13 +15,15 @@ import re
 import numpy as np
 import torch
 
+from mmrl.errors import ConfigError
+
 _QUOTED = re.compile(r"[\"“”'‘’](.+?)[\"“”'‘’]")
 
 
 def target_text(prompt: str) -> str:
     m = _QUOTED.findall(prompt)
     if not m:
-        raise ValueError(f"OCR reward: the prompt names no quoted text to render: {prompt!r}")
+        raise ConfigError(f"OCR reward: the prompt names no quoted text to render: {prompt!r}")
     return " ".join(m)
 
 

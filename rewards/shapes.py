@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mmrl.errors import ConfigError
 from tasks.shapes import BACKGROUND, COLORS, Spec, parse, relation_holds, to_uint8
 
 _NAMES = list(COLORS)
@@ -122,7 +123,7 @@ class ShapesReward:
 
     def __init__(self, strict_weight: float = 0.5, min_area: int | None = None, saturation_weight: float = 0.0):
         if not 0.0 <= strict_weight <= 1.0:
-            raise ValueError(f"strict_weight must be in [0, 1], got {strict_weight}")
+            raise ConfigError(f"strict_weight must be in [0, 1], got {strict_weight}")
         self.strict_weight = strict_weight
         self.min_area = min_area
         self.saturation_weight = saturation_weight

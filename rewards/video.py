@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mmrl.errors import ConfigError
+
 
 def frames_of(videos: torch.Tensor, stride: int = 1) -> torch.Tensor:
     """[N, 3, F, H, W] -> [N, F', 3, H, W] with F' = ceil(F / stride)."""
@@ -26,7 +28,7 @@ class FrameReward:
     def __init__(self, reward="clip_score", agg: str = "mean", stride: int = 1):
         """reward: the image reward, built by mmrl.compose from the config's `reward` name and `reward_kwargs`."""
         if agg not in ("mean", "min"):
-            raise ValueError(f"FrameReward agg={agg!r}; valid: mean, min")
+            raise ConfigError(f"FrameReward agg={agg!r}; valid: mean, min")
         self.image_reward, self.agg, self.stride = reward, agg, stride
 
     def __call__(self, videos: torch.Tensor, examples) -> dict[str, torch.Tensor]:
@@ -41,7 +43,7 @@ class TemporalConsistency:
     def __init__(self, embed: str = "pixels", arch: str = "ViT-B-32", pretrained: str | None = None,
                  batch_size: int = 64, device: str = "cpu", random_weights: bool = False):
         if embed not in ("pixels", "clip"):
-            raise ValueError(f"TemporalConsistency embed={embed!r}; valid: pixels, clip")
+            raise ConfigError(f"TemporalConsistency embed={embed!r}; valid: pixels, clip")
         self.embed = embed
         if embed == "clip":
             from rewards.clip_models import _OpenClipReward
@@ -60,5 +62,5 @@ class TemporalConsistency:
     def __call__(self, videos: torch.Tensor, examples) -> dict[str, torch.Tensor]:
         e = self.embeddings(videos)  # [N, F, D]
         if e.shape[1] < 2:
-            raise ValueError("temporal consistency needs videos of at least 2 frames")
+            raise ConfigError("temporal consistency needs videos of at least 2 frames")
         return {"overall": F.cosine_similarity(e[:, 1:], e[:, :-1], dim=-1, eps=1e-8).mean(1)}

@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from mmrl.errors import ConfigError, MissingFile
 from rewards.clip_models import _prompts, load_state
 
 # hpsv3/dataset/data_collator_qwen.py (MizzenAI/HPSv3): INSTRUCTION.format(text_prompt=...) + prompt_with_special_token
@@ -145,13 +146,13 @@ def frame_indices(total: int, num_frames: int | None, fps: float, video_fps: flo
         n = round(num_frames / 2) * 2
     else:
         if not video_fps:
-            raise ValueError("video_align samples frames at `fps` of the source video: pass video_fps (the "
-                             "generator's frame rate), or num_frames")
+            raise ConfigError("video_align samples frames at `fps` of the source video: pass video_fps (the "
+                              "generator's frame rate), or num_frames")
         lo, hi = math.ceil(min_frames / 2) * 2, math.floor(min(max_frames, total) / 2) * 2
         n = round(min(max(total / video_fps * fps, lo), hi) / 2) * 2
     n = min(n, total)
     if not 2 <= n <= total:
-        raise ValueError(f"video_align needs 2 <= sampled frames <= {total}; got {n} (videos of >= 2 frames)")
+        raise ConfigError(f"video_align needs 2 <= sampled frames <= {total}; got {n} (videos of >= 2 frames)")
     return torch.linspace(0, total - 1, n).round().long().tolist()
 
 
@@ -176,7 +177,7 @@ def merge_lora(state: dict, scale: float) -> dict:
         if m:
             lora.setdefault(m[1], {"A": [], "B": []})[m[2]].append(k)
         elif ".lora_" in k:
-            raise ValueError(f"unsupported LoRA tensor {k!r}: only linear lora_A / lora_B merge")
+            raise ConfigError(f"unsupported LoRA tensor {k!r}: only linear lora_A / lora_B merge")
     out = {}
     for k, v in state.items():
         m = None if ".lora_" in k else re.fullmatch(r"(.*)\.base_layer\.(weight|bias)", k)
@@ -188,11 +189,11 @@ def merge_lora(state: dict, scale: float) -> dict:
         if kind == "weight":
             ab = lora.pop(prefix, {"A": [], "B": []})
             if len(ab["A"]) != 1 or len(ab["B"]) != 1:
-                raise ValueError(f"{prefix}: expected one LoRA adapter (lora_A / lora_B), found {ab}")
+                raise ConfigError(f"{prefix}: expected one LoRA adapter (lora_A / lora_B), found {ab}")
             v = (v.float() + scale * state[ab["B"][0]].float() @ state[ab["A"][0]].float()).to(v.dtype)
         out[f"{prefix}.{kind}"] = v
     if lora:
-        raise ValueError(f"LoRA weights of modules without a base_layer: {sorted(lora)[:4]}")
+        raise ConfigError(f"LoRA weights of modules without a base_layer: {sorted(lora)[:4]}")
     return out
 
 
@@ -220,9 +221,9 @@ class QwenVLScorer:
                  checkpoint_state: Callable[[], dict] | None = None, device: str = "cpu",
                  dtype: str = "float32", batch_size: int = 8, random_head: bool = False, name: str = "vlm reward"):
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"{name}: path={path!r} is not a folder; give a transformers Qwen2-VL folder")
+            raise MissingFile(f"{name}: path={path!r} is not a folder; give a transformers Qwen2-VL folder")
         if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"{name}: dtype={dtype!r}; valid: float32, bfloat16, float16")
+            raise ConfigError(f"{name}: dtype={dtype!r}; valid: float32, bfloat16, float16")
         self.path, self.reward_tokens, self.make_head, self.head_keys = path, reward_tokens, make_head, head_keys
         self.checkpoint_state, self.device, self.dtype = checkpoint_state, device, getattr(torch, dtype)
         self.batch_size, self.random_head, self.name = batch_size, random_head, name
@@ -239,8 +240,8 @@ class QwenVLScorer:
         tok.padding_side = "right"  # as the public code (with sequential positions a left shift would not matter)
         if self.checkpoint_state is None and not self.random_head and not all(
                 t in tok.get_vocab() for t in self.reward_tokens):
-            raise ValueError(f"{self.name}: the tokenizer in {self.path} has no {', '.join(self.reward_tokens)}: this "
-                             f"is a base Qwen2-VL folder; pass the released checkpoint as `checkpoint`")
+            raise ConfigError(f"{self.name}: the tokenizer in {self.path} has no {', '.join(self.reward_tokens)}: this "
+                              f"is a base Qwen2-VL folder; pass the released checkpoint as `checkpoint`")
         tok.add_special_tokens({"additional_special_tokens": list(self.reward_tokens)})  # the public code's step
         model = Qwen2VLForConditionalGeneration.from_pretrained(self.path, dtype=self.dtype, use_safetensors=True)
         if self.checkpoint_state is not None:
@@ -249,9 +250,9 @@ class QwenVLScorer:
             state, source = _folder_tensors(self.path, "rm_head."), self.path
         missing = [k for k in self.head_keys if "rm_head." + k not in state]
         if missing and not self.random_head:
-            raise ValueError(f"{self.name}: no reward head in {source} (missing "
-                             f"{', '.join('rm_head.' + k for k in missing)}); pass the released checkpoint as "
-                             f"`checkpoint`, or random_head: true for a smoke test (the scores are noise)")
+            raise ConfigError(f"{self.name}: no reward head in {source} (missing "
+                              f"{', '.join('rm_head.' + k for k in missing)}); pass the released checkpoint as "
+                              f"`checkpoint`, or random_head: true for a smoke test (the scores are noise)")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)  # new token rows and a random head (tests) are the same at every load
             if model.get_input_embeddings().weight.shape[0] != len(tok):
@@ -272,13 +273,13 @@ class QwenVLScorer:
         emb = sub.get("language_model.embed_tokens.weight")
         rows = model.get_input_embeddings().weight.shape[0]  # = len(tokenizer) with the reward tokens
         if emb is not None and emb.shape[0] != rows:
-            raise ValueError(f"{self.name}: the checkpoint's embedding has {emb.shape[0]} rows, the tokenizer of "
-                             f"{self.path} with {', '.join(self.reward_tokens)} has {rows}: is `path` the checkpoint's "
-                             f"base model?")
+            raise ConfigError(f"{self.name}: the checkpoint's embedding has {emb.shape[0]} rows, the tokenizer of "
+                              f"{self.path} with {', '.join(self.reward_tokens)} has {rows}: is `path` the checkpoint's "
+                              f"base model?")
         missing, unexpected = model.model.load_state_dict(sub, strict=False)
         if missing or unexpected:
-            raise ValueError(f"{self.name}: the checkpoint does not fit {self.path}'s Qwen2-VL: missing "
-                             f"{missing[:4]}, unexpected {unexpected[:4]} ...")
+            raise ConfigError(f"{self.name}: the checkpoint does not fit {self.path}'s Qwen2-VL: missing "
+                              f"{missing[:4]}, unexpected {unexpected[:4]} ...")
 
     @torch.no_grad()
     def forward(self, batch: dict) -> torch.Tensor:
@@ -290,8 +291,8 @@ class QwenVLScorer:
             hit = ids == tid  # [n, L]
             counts = hit.sum(1).tolist()
             if any(c != 1 for c in counts):
-                raise ValueError(f"{self.name}: {tok} must occur once per prompt; counts {counts} (a caption "
-                                 f"containing the token?)")
+                raise ConfigError(f"{self.name}: {tok} must occur once per prompt; counts {counts} (a caption "
+                                  f"containing the token?)")
             at.append(hit.int().argmax(1))
         pos = torch.arange(length, device=ids.device).view(1, 1, -1).expand(3, n, -1)  # sequential, as trained
         vision = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -386,7 +387,7 @@ def linear_head(hidden: int, state: dict | None) -> torch.nn.Module:
     if state:
         head.load_state_dict(state)
     if head.out_features != 1:
-        raise ValueError(f"video_align: rm_head has {head.out_features} outputs; the released model has 1 per token")
+        raise ConfigError(f"video_align: rm_head has {head.out_features} outputs; the released model has 1 per token")
     return head
 
 
@@ -397,8 +398,8 @@ def videoreward_files(checkpoint: str) -> tuple[str, dict]:
         steps = sorted(glob.glob(os.path.join(checkpoint, "checkpoint-*")), key=lambda p: int(p.rsplit("-", 1)[-1]))
         model = os.path.join(steps[-1], "model.pth") if steps else ""
         if not os.path.isfile(model):
-            raise FileNotFoundError(f"video_align: no checkpoint-<step>/model.pth in {checkpoint} (found {steps}); "
-                                    f"the adapter-only layout (adapter_model.safetensors) is not supported")
+            raise MissingFile(f"video_align: no checkpoint-<step>/model.pth in {checkpoint} (found {steps}); "
+                              f"the adapter-only layout (adapter_model.safetensors) is not supported")
         roots = [checkpoint]
     else:
         model, roots = checkpoint, [os.path.dirname(checkpoint), os.path.dirname(os.path.dirname(checkpoint))]
@@ -437,19 +438,19 @@ class VideoAlign:
                  min_frame_pixels: int = VIDEO_MIN_PIXELS, weights: dict | None = None, normalize: bool = True,
                  lora_scale: float | None = None, random_head: bool = False):
         if fps is not None and num_frames is not None:
-            raise ValueError("video_align: give fps or num_frames, not both (VideoAlign samples by one of them)")
+            raise ConfigError("video_align: give fps or num_frames, not both (VideoAlign samples by one of them)")
         self.model_file, config = videoreward_files(checkpoint) if checkpoint else (None, {})
         data, peft = config.get("data_config", {}), config.get("peft_lora_config", {})
         if data.get("prompt_template_type", "detailed_special") != "detailed_special":
-            raise ValueError(f"video_align: {checkpoint} uses prompt template {data['prompt_template_type']!r}; only "
-                             f"the reward-token template 'detailed_special' is implemented")
+            raise ConfigError(f"video_align: {checkpoint} uses prompt template {data['prompt_template_type']!r}; only "
+                              f"the reward-token template 'detailed_special' is implemented")
         self.fps = fps if fps is not None else (None if num_frames is not None else data.get("fps", 2.0))
         self.num_frames = num_frames if num_frames is not None or fps is not None else data.get("num_frames")
         self.video_fps, self.min_pixels = video_fps, min_frame_pixels
         self.max_pixels = max_frame_pixels or data.get("max_frame_pixels", 448 * 448)
         if self.num_frames is None and not video_fps:
-            raise ValueError("video_align samples frames at fps of the source video: pass video_fps (the "
-                             "generator's frame rate) or num_frames")
+            raise ConfigError("video_align samples frames at fps of the source video: pass video_fps (the "
+                              "generator's frame rate) or num_frames")
         inf = config.get("inference_config") or {}
         # the checkpoint's own statistics; without them the raw scores, as VideoAlign's inference.py does
         self.norm = {d: (inf[f"{d}_mean"], inf[f"{d}_std"]) if f"{d}_mean" in inf else (0.0, 1.0)
@@ -457,7 +458,7 @@ class VideoAlign:
         self.normalize = normalize
         self.weights = {d: 1.0 for d in DIMENSIONS} if weights is None else {k: float(v) for k, v in weights.items()}
         if not self.weights or set(self.weights) - set(DIMENSIONS):
-            raise ValueError(f"video_align weights {sorted(self.weights)}; valid keys: {DIMENSIONS}")
+            raise ConfigError(f"video_align weights {sorted(self.weights)}; valid keys: {DIMENSIONS}")
         if lora_scale is None and peft.get("lora_enable"):
             r = peft["lora_r"]
             lora_scale = peft["lora_alpha"] / (math.sqrt(r) if peft.get("use_rslora") else r)
@@ -470,8 +471,8 @@ class VideoAlign:
         state = load_state(self.model_file)
         if any(".lora_" in k for k in state):
             if self.lora_scale is None:
-                raise ValueError(f"video_align: {self.model_file} holds LoRA weights and no model_config.json says "
-                                 f"their scale: pass lora_scale (lora_alpha / lora_r; VideoReward: 128 / 64 = 2)")
+                raise ConfigError(f"video_align: {self.model_file} holds LoRA weights and no model_config.json says "
+                                  f"their scale: pass lora_scale (lora_alpha / lora_r; VideoReward: 128 / 64 = 2)")
             state = merge_lora(state, self.lora_scale)
         state = {k[len("base_model.model."):] if k.startswith("base_model.model.") else k: v for k, v in state.items()}
         return {current_qwen2vl_key(k): v for k, v in state.items()}

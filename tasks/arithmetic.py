@@ -13,6 +13,8 @@ import hashlib
 import operator
 import random
 
+from mmrl.errors import ConfigError
+
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 PROMPT = "What is {a} {op} {b}? Reply with only the number."
 
@@ -27,9 +29,9 @@ def problems(split: str, lo: int = 10, hi: int = 99, ops: str = "+-", prompt: st
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     bad = sorted(set(ops) - set(OPS))
     if bad or not ops:
-        raise ValueError(f"ops={ops!r}: unknown operators {bad}; valid: {sorted(OPS)}")
+        raise ConfigError(f"ops={ops!r}: unknown operators {bad}; valid: {sorted(OPS)}")
     if not lo <= hi:
-        raise ValueError(f"operand range [{lo}, {hi}] is empty")
+        raise ConfigError(f"operand range [{lo}, {hi}] is empty")
     out = []
     for op in ops:
         for a in range(lo, hi + 1):

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 
+from mmrl.errors import ConfigError, MissingFile
 from mmrl.task import jsonl_rows, split_heldout
 from rewards.geneval import check_metadata
 
@@ -23,13 +24,13 @@ METADATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "g
 def read_metadata(path: str) -> list[dict]:
     """GenEval metadata rows from a .jsonl file; a malformed line fails naming file:line and the field."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"task.kwargs.metadata={path!r} does not exist; give a GenEval "
-                                f"evaluation_metadata.jsonl (default: {METADATA})")
+        raise MissingFile(f"task.kwargs.metadata={path!r} does not exist; give a GenEval "
+                          f"evaluation_metadata.jsonl (default: {METADATA})")
     with open(path, encoding="utf-8") as f:
         rows = [check_metadata(row, where) for where, row in jsonl_rows(path, f.read(), "one GenEval metadata "
                                                                          "object per line")]
     if not rows:
-        raise ValueError(f"{path} has no metadata rows")
+        raise ConfigError(f"{path} has no metadata rows")
     return rows
 
 
@@ -46,16 +47,16 @@ class GenEvalTask:
     def __init__(self, cfg=None, metadata: str | None = None, heldout_fraction: float | None = None,
                  split_seed: int = 0, tags: list[str] | None = None):
         if getattr(cfg, "prompt_file", None):
-            raise ValueError("task.name=geneval reads GenEval metadata from task.kwargs.metadata, not "
-                             "task.prompt_file; move the path there (or unset task.prompt_file for the shipped 553 "
-                             "prompts)")
+            raise ConfigError("task.name=geneval reads GenEval metadata from task.kwargs.metadata, not "
+                              "task.prompt_file; move the path there (or unset task.prompt_file for the shipped 553 "
+                              "prompts)")
         rows = read_metadata(metadata or METADATA)
         present = list(dict.fromkeys(r["tag"] for r in rows))
         if tags is not None:
             unknown = sorted(set(tags) - set(present))
             if unknown:
-                raise ValueError(f"task.kwargs.tags has {unknown}, not in {metadata or METADATA}; its tags are "
-                                 f"{present}")
+                raise ConfigError(f"task.kwargs.tags has {unknown}, not in {metadata or METADATA}; its tags are "
+                                  f"{present}")
             rows = [r for r in rows if r["tag"] in tags]
         examples = [{**r, "category": r["tag"]} for r in rows]
         if heldout_fraction is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 
+from mmrl.errors import ConfigError
 from mmrl.evaluation import evaluate_outputs
 from rewards.grounding import GroundingReward, grounding_metrics, multi_window_iou
 from tasks.grounding_data import load_dataset
@@ -46,10 +47,10 @@ def select_label_pool(examples: list[dict], size: int, seed: int = 0) -> list[di
     """The labelled pool of the scarce-labels regime: `size` training queries drawn with `seed` from the queries'
     ids (the choice does not depend on their order), returned in their original order."""
     if size < 1 or size > len(examples):
-        raise ValueError(f"label_pool={size}: need 1 <= label_pool <= {len(examples)} (the training queries)")
+        raise ConfigError(f"label_pool={size}: need 1 <= label_pool <= {len(examples)} (the training queries)")
     qids = sorted(ex["qid"] for ex in examples)
     if len(set(qids)) != len(qids):
-        raise ValueError("label_pool needs unique query ids (qid)")
+        raise ConfigError("label_pool needs unique query ids (qid)")
     keep = set(random.Random(f"label_pool/{seed}").sample(qids, size))
     return [ex for ex in examples if ex["qid"] in keep]
 
@@ -83,7 +84,7 @@ def apply_label_noise(examples: list[dict], fraction: float, seed: int = 0) -> l
     Returns new example dicts (the inputs are not touched); a changed one has "windows" = [its noisy span] and
     "label_noise" = "shifted" | "random". Only training queries are ever given to it."""
     if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"label_noise must be in [0, 1], got {fraction}")
+        raise ConfigError(f"label_noise must be in [0, 1], got {fraction}")
     qids = sorted(ex["qid"] for ex in examples)
     rng = random.Random(f"label_noise/{seed}")
     chosen = rng.sample(qids, round(fraction * len(qids)))
@@ -104,7 +105,7 @@ def read_query_ids(path: str) -> list[str]:
     with open(path) as f:
         ids = json.load(f)
     if not isinstance(ids, list) or not all(isinstance(q, str) for q in ids):
-        raise ValueError(f"{path}: expected a JSON list of query ids (strings)")
+        raise ConfigError(f"{path}: expected a JSON list of query ids (strings)")
     return ids
 
 
@@ -113,12 +114,12 @@ def keep_queries(examples: list[dict], ids: list[str], where: str = "difficulty_
     have = {ex["qid"] for ex in examples}
     unknown = [q for q in ids if q not in have]
     if unknown:
-        raise ValueError(f"{where}: {len(unknown)} of {len(ids)} query ids are not training queries of this task "
-                         f"(e.g. {unknown[:3]}): was it written for another world or label pool?")
+        raise ConfigError(f"{where}: {len(unknown)} of {len(ids)} query ids are not training queries of this task "
+                          f"(e.g. {unknown[:3]}): was it written for another world or label pool?")
     keep = set(ids)
     out = [ex for ex in examples if ex["qid"] in keep]
     if not out:
-        raise ValueError(f"{where}: keeps no training query")
+        raise ConfigError(f"{where}: keeps no training query")
     return out
 
 
@@ -154,14 +155,14 @@ class GroundingTask:
                  pool_seed: int = 0, label_noise: float = 0.0, noise_seed: int = 0,
                  difficulty_filter: str | None = None):
         if not annotations:
-            raise ValueError("task.kwargs.annotations is required for task.name=grounding (the annotation file)")
+            raise ConfigError("task.kwargs.annotations is required for task.name=grounding (the annotation file)")
         self.prompt_template, self.answer_template, self.text_first = prompt, answer, text_first
         self.train = self._examples(load_dataset(format, annotations, video_dir, durations, on_error, missing_video))
         ev = load_dataset(format, eval_annotations or annotations, eval_video_dir or video_dir,
                           eval_durations or durations, on_error, missing_video)
         self.eval = self._examples([e for e in ev if e["windows"]])[:cfg.eval_prompts]
         if not self.train:
-            raise ValueError(f"{annotations}: no usable training queries")
+            raise ConfigError(f"{annotations}: no usable training queries")
         self.train_clean = self.train  # every training query with its true span (the blind baseline fits on it)
         self.label_info = {"train_queries": len(self.train)}
         if label_noise:

@@ -24,6 +24,8 @@ import logging
 import math
 import os
 
+from mmrl.errors import ConfigError, MissingFile
+
 log = logging.getLogger(__name__)
 SKIPPED: dict[str, int] = {}
 VIDEO_EXTENSIONS = (".mp4", ".mkv", ".webm", ".avi", ".mov")
@@ -38,7 +40,7 @@ class _Errors:
 
     def __init__(self, path: str, on_error: str):
         if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+            raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.path, self.on_error, self.count = path, on_error, 0
 
     def __call__(self, where, msg: str) -> None:
@@ -195,10 +197,10 @@ def load_dataset(fmt: str, annotations: str, video_dir: str, durations: str | No
     missing_video: "raise" (the error lists the first missing files) | "skip" (counted and logged).
     """
     if fmt not in FORMATS:
-        raise ValueError(f"unknown grounding format {fmt!r}; valid: {sorted(FORMATS)}")
+        raise ConfigError(f"unknown grounding format {fmt!r}; valid: {sorted(FORMATS)}")
     if fmt == "charades_sta":
         if not durations:
-            raise ValueError("Charades-STA needs the durations csv (Charades_v1_train.csv / Charades_v1_test.csv)")
+            raise ConfigError("Charades-STA needs the durations csv (Charades_v1_train.csv / Charades_v1_test.csv)")
         examples = read_charades_sta(annotations, durations, on_error)
     else:
         examples = FORMATS[fmt](annotations, on_error)
@@ -208,8 +210,8 @@ def load_dataset(fmt: str, annotations: str, video_dir: str, durations: str | No
         (missing if path is None else found).append({**ex, "video": path})
     if missing and missing_video == "raise":
         names = ", ".join(sorted({m["vid"] for m in missing})[:5])
-        raise FileNotFoundError(f"{len(missing)} of {len(examples)} queries have no video file in {video_dir!r} "
-                                f"(e.g. {names}); add the videos or set missing_video=skip")
+        raise MissingFile(f"{len(missing)} of {len(examples)} queries have no video file in {video_dir!r} "
+                          f"(e.g. {names}); add the videos or set missing_video=skip")
     if missing:
         log.warning("%d of %d queries skipped: no video file in %s", len(missing), len(examples), video_dir)
         SKIPPED[f"{annotations}:missing_video"] = len(missing)

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import numpy as np
 from PIL import Image, ImageDraw
 
+from mmrl.errors import ConfigError
 from tasks.shapes import BACKGROUND, COLORS, SHAPES
 
 FPS, FRAMES, SIZE = 2, 16, 56
@@ -157,10 +158,10 @@ def build_world(root: str, n_videos: dict[str, int] | None = None, seed: int = 0
     if old == params:
         return out
     if old is not None:
-        raise ValueError(f"{root} holds a grounding world built with {old}, not the requested {params}: pass "
-                         f"the same video counts (or none, to read it as it is; task.kwargs.train_videos / "
-                         f"test_videos, sft_grounding.py --train-videos / --test-videos), another root, or "
-                         f"delete {root}")
+        raise ConfigError(f"{root} holds a grounding world built with {old}, not the requested {params}: pass "
+                          f"the same video counts (or none, to read it as it is; task.kwargs.train_videos / "
+                          f"test_videos, sft_grounding.py --train-videos / --test-videos), another root, or "
+                          f"delete {root}")
     os.makedirs(video_dir, exist_ok=True)
     rng = random.Random(seed)
     for split, n in n_videos.items():

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from mmrl.errors import ConfigError
 from tasks.shapes import BACKGROUND, COLORS as ALL_COLORS, is_heldout
 
 SHAPES = ("circle", "square")
@@ -57,7 +58,7 @@ def parse(text: str) -> MotionSpec:
         i = words.index("moving")
         return MotionSpec(shape=words[i - 1], color=words[i - 2], direction=words[i + 1])
     except (ValueError, IndexError):
-        raise ValueError(f"not a motion prompt: {text!r} (expected '... a <color> <shape> moving <direction>')")
+        raise ConfigError(f"not a motion prompt: {text!r} (expected '... a <color> <shape> moving <direction>')")
 
 
 def prompts(split: str) -> list[Prompt]:

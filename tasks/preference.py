@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from mmrl.errors import ConfigError, MissingFile
 from mmrl.task import PromptFileTask, read_prompts, split_heldout
 
 log = logging.getLogger(__name__)
@@ -34,18 +35,18 @@ def read_pairs(path: str) -> list[dict]:
                 continue
             pair = [row["jpg_0"], row["jpg_1"]][::1 if float(row["label_0"]) > 0.5 else -1]
         else:
-            raise ValueError(f"{path}:{i}: a pair needs chosen / rejected (or Pick-a-Pic's jpg_0 / jpg_1 / label_0); "
-                             f"the row has {sorted(row)}")
+            raise ConfigError(f"{path}:{i}: a pair needs chosen / rejected (or Pick-a-Pic's jpg_0 / jpg_1 / label_0); "
+                              f"the row has {sorted(row)}")
         pair = [p if os.path.isabs(p) else os.path.join(folder, p) for p in pair]
         for p in pair:
             if not os.path.isfile(p):
-                raise FileNotFoundError(f"{path}:{i}: image {p!r} does not exist")
+                raise MissingFile(f"{path}:{i}: image {p!r} does not exist")
         out.append({"prompt": row["prompt"], "outputs": pair, "labels": [1.0, 0.0],
                     **{k: v for k, v in row.items() if k not in ("prompt", "chosen", "rejected", "jpg_0", "jpg_1")}})
     if ties:
         log.info("%s: %d tied pairs skipped (label_0 = 0.5)", path, ties)
     if not out:
-        raise ValueError(f"{path}: no preference pairs")
+        raise ConfigError(f"{path}: no preference pairs")
     return out
 
 
@@ -73,6 +74,6 @@ class PreferenceLabel:
     def __call__(self, outputs, examples) -> dict[str, torch.Tensor]:
         missing = [i for i, ex in enumerate(examples) if "label" not in ex]
         if missing:
-            raise ValueError("reward.name=preference_label reads the labels of given outputs (task.name="
-                             "preference_pairs); these rows were sampled, not given")
+            raise ConfigError("reward.name=preference_label reads the labels of given outputs (task.name="
+                              "preference_pairs); these rows were sampled, not given")
         return {"overall": torch.tensor([float(ex["label"]) for ex in examples])}

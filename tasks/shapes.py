@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from mmrl.errors import ConfigError
+
 SHAPES = ("circle", "square", "triangle")
 PLURALS = {"circle": "circles", "square": "squares", "triangle": "triangles"}
 COLORS = {  # RGB; far from each other and from the background in RGB distance
@@ -113,8 +115,8 @@ def parse(text: str) -> Spec:
     try:
         return _BY_TEXT[text.strip()]
     except KeyError:
-        raise ValueError(f"{text!r} is not a shapes-world prompt; see tasks/shapes.py for the grammar "
-                         f"(e.g. 'a red circle and a blue square')") from None
+        raise ConfigError(f"{text!r} is not a shapes-world prompt; see tasks/shapes.py for the grammar "
+                          f"(e.g. 'a red circle and a blue square')") from None
 
 
 def is_heldout(text: str) -> bool:

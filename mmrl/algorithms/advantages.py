@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from mmrl.errors import ConfigError
 from mmrl.registry import Registry
 
 ADVANTAGES = Registry("advantage estimator")
@@ -76,7 +77,7 @@ def gdpo(rewards: dict, weights: dict | None, group_id, valid, cfg, estimator):
     """GDPO decoupled normalization: each component r_k through the estimator within its groups (z-scores for
     grpo), S = sum_k w_k * A_k, then S z-scored over the valid samples of the batch; |A| <= cfg.adv_clip."""
     if not weights:
-        raise ValueError("algo.reward_aggregation=gdpo needs several weighted rewards: set reward.name=multi")
+        raise ConfigError("algo.reward_aggregation=gdpo needs several weighted rewards: set reward.name=multi")
     total = torch.zeros_like(rewards["overall"], dtype=torch.float64)
     stats = {}
     for k, w in weights.items():
@@ -98,7 +99,7 @@ def batch_normalized(rewards: dict, weights: dict | None, group_id, valid, cfg, 
     components' scales no longer decide their share (a reward in [0, 100] does not drown one in [0, 1]) while
     the groups still compare their own samples."""
     if not weights:
-        raise ValueError("algo.reward_aggregation=batch needs several weighted rewards: set reward.name=multi")
+        raise ConfigError("algo.reward_aggregation=batch needs several weighted rewards: set reward.name=multi")
     total = torch.zeros_like(rewards["overall"], dtype=torch.float64)
     for k, w in weights.items():
         r = component(rewards, k).double()

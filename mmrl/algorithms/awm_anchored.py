@@ -42,14 +42,15 @@ from __future__ import annotations
 import torch
 
 from mmrl.algorithms.losses import POLICY_LOSSES, _per_action, ppo_clip
+from mmrl.errors import ConfigError
 
 
 def awm_anchored(log_prob, old_log_prob, advantages, cfg, ctx):
     """(loss [n, A], stats). log_prob = -l(v_theta) [n, A]; ctx.out.stats velocity / target [n, A, *D];
     ctx.ref.stats velocity [n, A, *D] (the anchor)."""
     if ctx.ref is None:
-        raise ValueError("awm_anchored anchors its negative branch at the reference's velocity: set model.reference="
-                         "auto (the frozen base), or train.ema_decay > 0 with algo.kl_reference=ema")
+        raise ConfigError("awm_anchored anchors its negative branch at the reference's velocity: set model.reference="
+                          "auto (the frozen base), or train.ema_decay > 0 with algo.kl_reference=ema")
     adv = _per_action(advantages, log_prob)
     positive, stats = ppo_clip(log_prob, old_log_prob, adv.clamp(min=0), cfg)   # AWM's term; 0 where A <= 0
     s, beta = ctx.out.stats, cfg.nft_beta

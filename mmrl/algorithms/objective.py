@@ -34,6 +34,7 @@ from mmrl.algorithms.kl import KL_ESTIMATORS
 from mmrl.algorithms.losses import LOSS_AGG, POLICY_LOSSES, LossContext
 from mmrl.algorithms.ratio import RATIO_TRANSFORMS
 from mmrl.algorithms.weighting import WEIGHTINGS, truncated_is
+from mmrl.errors import ConfigError
 
 
 @dataclass
@@ -100,9 +101,9 @@ class TruncatedIS:
 
     def __call__(self, loss, b: Batch):
         if "rollout_log_prob" not in b.rows.extras:
-            raise ValueError(f"algo.tis_cap={self.cap}: this policy's sampling engine records no log-probs of its "
-                             f"own (rollout.extras['rollout_log_prob']); use sampler.engine=prefix_cache or vllm, "
-                             f"or set algo.tis_cap=0")
+            raise ConfigError(f"algo.tis_cap={self.cap}: this policy's sampling engine records no log-probs of its "
+                              f"own (rollout.extras['rollout_log_prob']); use sampler.engine=prefix_cache or vllm, "
+                              f"or set algo.tis_cap=0")
         w, truncated = truncated_is(b.old_log_prob, b.rows.extras["rollout_log_prob"].to(loss.device), self.cap)
         return loss * w, {"tis_weight": w, "tis_truncated": truncated}
 
@@ -174,20 +175,20 @@ def check_knobs(algo) -> None:
     """algo.objective.kwargs must be knobs its loss declares (`fn.knobs`); ValueError naming the valid ones."""
     kwargs = algo.objective.kwargs or {}
     if algo.objective.name and algo.policy_loss not in ("ppo_clip", algo.objective.name):
-        raise ValueError(f"algo.objective.name={algo.objective.name} and algo.policy_loss={algo.policy_loss} name "
-                         f"two losses: set one (a base config may set the other)")
+        raise ConfigError(f"algo.objective.name={algo.objective.name} and algo.policy_loss={algo.policy_loss} name "
+                          f"two losses: set one (a base config may set the other)")
     if kwargs and not algo.objective.name:
-        raise ValueError("algo.objective.kwargs without algo.objective.name: name the objective they belong to")
+        raise ConfigError("algo.objective.kwargs without algo.objective.name: name the objective they belong to")
     if not kwargs:
         return
     knobs = getattr(POLICY_LOSSES[algo.objective.name], "knobs", ())
     unknown = sorted(set(kwargs) - set(knobs))
     if unknown:
-        raise ValueError(f"algo.objective.kwargs: {unknown} are not knobs of objective {algo.objective.name!r}; "
-                         f"its knobs: {sorted(knobs) or 'none'}")
+        raise ConfigError(f"algo.objective.kwargs: {unknown} are not knobs of objective {algo.objective.name!r}; "
+                          f"its knobs: {sorted(knobs) or 'none'}")
     default = type(algo)()
     twice = [k for k in kwargs if hasattr(algo, k) and getattr(algo, k) != getattr(default, k)
              and getattr(algo, k) != kwargs[k]]
     if twice:  # e.g. a base config's objective kwargs and an algo.<knob>=... override
-        raise ValueError(f"{', '.join(f'algo.{k}={getattr(algo, k)!r}' for k in twice)} and algo.objective.kwargs "
-                         f"{ {k: kwargs[k] for k in twice} } set the same knob twice: set it in algo.objective.kwargs")
+        raise ConfigError(f"{', '.join(f'algo.{k}={getattr(algo, k)!r}' for k in twice)} and algo.objective.kwargs "
+                          f"{ {k: kwargs[k] for k in twice} } set the same knob twice: set it in algo.objective.kwargs")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from mmrl.errors import ConfigError
 from mmrl.registry import Registry
 
 OFFPOLICY = Registry("off-policy injection")
@@ -23,8 +24,8 @@ def none(policy, rollout, task):
 @OFFPOLICY.register("ground_truth")
 def ground_truth(policy, rollout, task):
     if not hasattr(task, "reference_output"):
-        raise ValueError("algo.offpolicy=ground_truth needs a task with reference_output(example) (e.g. grounding): "
-                         "set algo.offpolicy=none")
+        raise ConfigError("algo.offpolicy=ground_truth needs a task with reference_output(example) (e.g. grounding): "
+                          "set algo.offpolicy=none")
     gid = rollout.group_id
     last = torch.tensor([int((gid == g).nonzero().max()) for g in torch.unique(gid)])  # [K] one row per group
     texts = [task.reference_output(rollout.examples[i]) for i in last.tolist()]

@@ -6,6 +6,7 @@ returned tensor replaces log_prob in the loss (ratio = exp(log_prob' - old_log_p
 
 from __future__ import annotations
 
+from mmrl.errors import ConfigError
 from mmrl.registry import Registry
 
 RATIO_TRANSFORMS = Registry("ratio transform")
@@ -34,7 +35,7 @@ def guard(log_prob, old_log_prob, rollout, out):
     log r' = (log r + b) * s (= reduce_d(eps * dmu), mean zero). b comes from the policy ("ratio_bias", computed
     per sample; the reference code reduces it over the batch) and s is the step's std."""
     if "ratio_bias" not in out.stats:
-        raise ValueError("algo.ratio=guard needs a flow policy (its log_prob reports the ratio bias); "
-                         "use algo.ratio=none or gspo for token policies")
+        raise ConfigError("algo.ratio=guard needs a flow policy (its log_prob reports the ratio bias); "
+                          "use algo.ratio=none or gspo for token policies")
     std = out.stats["std"].to(log_prob.dtype)
     return old_log_prob + (log_prob - old_log_prob + out.stats["ratio_bias"]) * std

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from mmrl.errors import MissingFile
 from mmrl.models.families import LoadOptions, families, family_for
 from mmrl.models.families.pixel import PARTS as PIXEL_PARTS
 from mmrl.models.flow_model import FlowModel
@@ -25,9 +26,9 @@ def read_index(path: str) -> dict:
     index_file = os.path.join(path, "model_index.json")
     if not os.path.isfile(index_file):
         known = sorted(p for f in families() for p in f.pipelines if p != PIPELINE_CLASS)
-        raise FileNotFoundError(f"{path!r} has no model_index.json: point model.path at a diffusers pipeline folder "
-                                f"({', '.join(known)}) or an mmrl pixel-model folder (scripts/pretrain_world.py "
-                                f"writes one)")
+        raise MissingFile(f"{path!r} has no model_index.json: point model.path at a diffusers pipeline folder "
+                          f"({', '.join(known)}) or an mmrl pixel-model folder (scripts/pretrain_world.py "
+                          f"writes one)")
     return json.load(open(index_file))
 
 
@@ -41,8 +42,8 @@ def load_flow_model(path: str, dtype: torch.dtype = torch.float32, device: str =
     fam = family_for(index.get("_class_name"), family, where=os.path.join(path, "model_index.json"))
     missing = missing_parts(path, index)
     if missing:  # else from_pretrained would look for them on the hub ("couldn't connect to huggingface.co")
-        raise FileNotFoundError(f"{path!r}: model_index.json names {missing}, but the folder has no "
-                                f"{', '.join(m + '/' for m in missing)}; copy the whole folder")
+        raise MissingFile(f"{path!r}: model_index.json names {missing}, but the folder has no "
+                          f"{', '.join(m + '/' for m in missing)}; copy the whole folder")
     model = fam.load(path, index, LoadOptions(dtype, device, sample_size, num_frames, guidance, text_max_length))
     for m in model.text_modules:
         m.requires_grad_(False).eval()

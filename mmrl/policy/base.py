@@ -9,6 +9,7 @@ from typing import Iterator, Protocol, runtime_checkable
 import torch
 
 from mmrl.data import PolicyOutput, Rollout
+from mmrl.errors import ConfigError, MissingFile
 
 
 @runtime_checkable
@@ -72,7 +73,7 @@ class PolicyDefaults:
         pass
 
     def context_parallel(self, mesh, kind: str) -> None:
-        raise ValueError(f"{type(self).__name__} has no context parallelism: set train.context_parallel=1")
+        raise ConfigError(f"{type(self).__name__} has no context parallelism: set train.context_parallel=1")
 
     def replace_outputs(self, rollout: Rollout, rows: torch.Tensor, outputs: list) -> Rollout:
         raise NotImplementedError(f"{type(self).__name__} cannot replace its outputs (algo.offpolicy=ground_truth needs "
@@ -122,8 +123,8 @@ def base_model_path(meta: dict, policy_dir: str) -> str:
     if rel and os.path.exists(os.path.join(policy_dir, rel)):
         return os.path.normpath(os.path.join(policy_dir, rel))
     where = f" nor at {os.path.normpath(os.path.join(policy_dir, rel))!r} (relative to the checkpoint)" if rel else ""
-    raise FileNotFoundError(f"{policy_dir}: its base model is neither at {base!r}{where}. Put the base model "
-                            f"back there, or edit base_model in {os.path.join(policy_dir, 'mmrl_policy.json')}")
+    raise MissingFile(f"{policy_dir}: its base model is neither at {base!r}{where}. Put the base model "
+                      f"back there, or edit base_model in {os.path.join(policy_dir, 'mmrl_policy.json')}")
 
 
 PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before module names
@@ -157,8 +158,8 @@ def load_lora_adapter(module: torch.nn.Module, path: str) -> None:
     result = set_peft_model_state_dict(module, sd)
     missing = [k for k in getattr(result, "unexpected_keys", [])]
     if missing:
-        raise ValueError(f"{path}: adapter weights {missing[:3]} ... match no LoRA layer of the model; was it "
-                         f"trained on another base model or with other model.lora.target_modules?")
+        raise ConfigError(f"{path}: adapter weights {missing[:3]} ... match no LoRA layer of the model; was it "
+                          f"trained on another base model or with other model.lora.target_modules?")
 
 
 def is_hub_id(path: str) -> bool:
@@ -178,9 +179,9 @@ def resolve_model_path(path: str) -> str:
             return snapshot_download(path, local_files_only=True)
         except Exception:  # not cached (LocalEntryNotFoundError), or not a valid id
             pass
-        raise FileNotFoundError(f"model.path={path!r} is not a local folder and not in the Hugging Face cache; mmrl "
-                                f"does not download during a run. Download it once (huggingface-cli download {path} "
-                                f"--local-dir DIR) and set model.path=DIR, or fill the cache (HF_HOME) on a machine "
-                                f"with network")
-    raise FileNotFoundError(f"model.path={path!r} does not exist (relative paths are relative to the working "
-                            f"directory {os.getcwd()})")
+        raise MissingFile(f"model.path={path!r} is not a local folder and not in the Hugging Face cache; mmrl "
+                          f"does not download during a run. Download it once (huggingface-cli download {path} "
+                          f"--local-dir DIR) and set model.path=DIR, or fill the cache (HF_HOME) on a machine "
+                          f"with network")
+    raise MissingFile(f"model.path={path!r} does not exist (relative paths are relative to the working "
+                      f"directory {os.getcwd()})")

@@ -23,6 +23,7 @@ from mmrl.algorithms.objective import build_objective
 from mmrl.cache import BoundedCache
 from mmrl.config import sample_chunk
 from mmrl.data import PolicyOutput, Rollout, condition_images, group_ids
+from mmrl.errors import ConfigError
 from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, resolve_model_path,
                               save_lora_adapter, upcast_trainable, write_policy_meta)
 from mmrl.models.flow_model import EXPERTS, FlowModel
@@ -213,13 +214,13 @@ class FlowPolicy(PolicyDefaults):
         latents x0 (model.encode_latents), then the forward-process actions of §10 on them; each row's example gets
         its `labels[j]` as "label" (the preference reward reads it). Forward-process objectives only (dpo, nft ...)."""
         if self.objective != "forward" or self.model.encode_latents is None:
-            raise ValueError("examples with given `outputs` (offline preference pairs) train forward-process objectives "
-                             "(algo.policy_loss=dpo, nft, awm, dgpo) of an image model whose family encodes images")
+            raise ConfigError("examples with given `outputs` (offline preference pairs) train forward-process objectives "
+                              "(algo.policy_loss=dpo, nft, awm, dgpo) of an image model whose family encodes images")
         seeds, g = self._seeds(len(examples) * group_size, generator), group_size
         for ex in examples:
             if len(ex["outputs"]) != g or len(ex.get("labels", [0] * g)) != g:
-                raise ValueError(f"example {ex['prompt'][:60]!r} gives {len(ex['outputs'])} outputs (and labels); "
-                                 f"train.group_size={g} must equal that count")
+                raise ConfigError(f"example {ex['prompt'][:60]!r} gives {len(ex['outputs'])} outputs (and labels); "
+                                  f"train.group_size={g} must equal that count")
         picked = rows.tolist()
         side = self.model.latent_shape[-1] * self.model.image_scale
         images = torch.stack([load_image(examples[i // g]["outputs"][i % g], side) for i in picked])  # [n, 3, s, s]
@@ -449,7 +450,7 @@ def load_image(path: str, side: int) -> torch.Tensor:
         with Image.open(path) as im:
             image = im.convert("RGB")
     except (OSError, ValueError) as e:
-        raise ValueError(f"output image {path!r} does not read as an image ({e})") from None
+        raise ConfigError(f"output image {path!r} does not read as an image ({e})") from None
     if image.size != (side, side):
         image = image.resize((side, side), Image.BICUBIC)
     return torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1) / 127.5 - 1
@@ -469,8 +470,8 @@ def build_flow_policy(cfg) -> FlowPolicy:
     device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     path = resolve_model_path(cfg.model.path)
     if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
-        raise ValueError(f"{path!r} is an mmrl policy checkpoint; use it with mmrl eval, or set model.path to a "
-                         f"base model folder")
+        raise ConfigError(f"{path!r} is an mmrl policy checkpoint; use it with mmrl eval, or set model.path to a "
+                          f"base model folder")
     options = {"sample_size": cfg.model.sample_size, "num_frames": cfg.model.num_frames, "guidance": cfg.model.guidance,
                "text_max_length": cfg.model.text_max_length, "family": cfg.model.family}
     model = load_flow_model(path, dtype, device, **options)

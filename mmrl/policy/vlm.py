@@ -24,6 +24,7 @@ import os
 
 import torch
 from mmrl.data import PolicyOutput, Rollout
+from mmrl.errors import ConfigError, MissingFile
 from mmrl.policy.base import (PolicyDefaults, base_model_path, load_lora_adapter, reference_kind, resolve_model_path,
                               save_lora_adapter, upcast_trainable, write_policy_meta)
 from mmrl.rollout.engine import HFEngine, PrefixCacheEngine, SamplingParams, completion_mask
@@ -107,11 +108,11 @@ class TokenPolicy(PolicyDefaults):
             from mmrl.rollout.vllm_engine import VLLMEngine
 
             if self.is_vlm:
-                raise ValueError("sampler.engine=vllm serves text-only policies here; use prefix_cache for a VLM")
+                raise ConfigError("sampler.engine=vllm serves text-only policies here; use prefix_cache for a VLM")
             self.engine = VLLMEngine(self.model, model_path, self.eos_id, self.pad_id, self.suppress_ids,
                                      **sampler_cfg.vllm)
         else:
-            raise ValueError(f"sampler.engine={engine!r}; valid: prefix_cache, hf, vllm")
+            raise ConfigError(f"sampler.engine={engine!r}; valid: prefix_cache, hf, vllm")
 
     # ------------------------------------------------------------------------------------------ prompts
     def _messages(self, ex: dict) -> list[dict]:
@@ -393,7 +394,7 @@ class TokenPolicy(PolicyDefaults):
         pad to the most chunks. Both: one forward per scoring call (the shared-prefix pass is turned off)."""
         if parallel == "fsdp":
             if not isinstance(self.engine, PrefixCacheEngine):
-                raise ValueError("train.parallel=fsdp needs sampler.engine=prefix_cache for token policies")
+                raise ConfigError("train.parallel=fsdp needs sampler.engine=prefix_cache for token policies")
             # on the trainer's Distributed (set before parallelize): its CPU group, as NCCL has no CPU backend
             self.engine.all_done = self.dist.all_true
             self.pad_forwards = lambda n: self.dist.max_int(n) - n
@@ -442,8 +443,8 @@ def load_token_model(path: str, dtype: torch.dtype = torch.float32, device: str 
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"model.path={path!r} is not a folder; point it at a transformers model folder "
-                                f"(e.g. Qwen2.5-VL-3B-Instruct, or scripts/sft_grounding.py's output)")
+        raise MissingFile(f"model.path={path!r} is not a folder; point it at a transformers model folder "
+                          f"(e.g. Qwen2.5-VL-3B-Instruct, or scripts/sft_grounding.py's output)")
     kw = dict(trust_remote_code=trust_remote_code)
     is_vlm = any(os.path.isfile(os.path.join(path, f)) for f in
                  ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json"))
@@ -463,8 +464,8 @@ def build_token_policy(cfg) -> TokenPolicy:
     if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
         meta = json.load(open(os.path.join(path, "mmrl_policy.json")))
         if meta.get("lora"):
-            raise ValueError(f"{path!r} is a LoRA policy checkpoint; set model.path to its base model "
-                             f"({meta.get('base_model')}) and use mmrl eval for the checkpoint")
+            raise ConfigError(f"{path!r} is a LoRA policy checkpoint; set model.path to its base model "
+                              f"({meta.get('base_model')}) and use mmrl eval for the checkpoint")
     model, processor = load_token_model(path, dtype, device, cfg.model.trust_remote_code)
     v = cfg.video
     opts = VideoOptions(v.backend, v.fps, v.nframes, v.min_pixels, v.max_pixels, v.total_pixels)

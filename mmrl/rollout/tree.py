@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from mmrl.algorithms.advantages import ADVANTAGES, group_credit
+from mmrl.errors import ConfigError
 from mmrl.sampling.flow_sde import Trajectory, step
 
 FUSIONS = ("mean", "softmax")  # tree.fusion
@@ -50,7 +51,7 @@ def split_schedule(num_steps: int, splits: list[int]) -> list[bool]:
     """[S] True at split steps; splits must be distinct and leave the last (untrained) step alone."""
     bad = [s for s in splits if not 0 <= s < num_steps - 1]
     if bad or len(set(splits)) != len(splits):
-        raise ValueError(f"tree.split_steps={splits}: need distinct steps in [0, num_steps - 2 = {num_steps - 2}]")
+        raise ConfigError(f"tree.split_steps={splits}: need distinct steps in [0, num_steps - 2 = {num_steps - 2}]")
     return [i in splits for i in range(num_steps)]
 
 
@@ -64,7 +65,7 @@ def run_tree(velocity, x: torch.Tensor, sigmas: torch.Tensor, kinds: list[str], 
     does not depend on the other trees of the batch)."""
     is_split = split_schedule(len(kinds), splits)
     if any(kinds[i] == "ode" for i in splits):
-        raise ValueError("tree split steps must be SDE steps")
+        raise ConfigError("tree split steps must be SDE steps")
     sigma_max = float(sigmas[1])
     b = x.shape[0]
     tree = torch.arange(b)                    # [M] tree of each alive path
@@ -167,7 +168,7 @@ def tree_advantages(rewards: torch.Tensor, rollout, valid: torch.Tensor, cfg, es
     elif t.fusion == "softmax":
         node_r = _softmax_fusion(r, valid, inv, depth, step, rollout.old_log_prob, cfg)
     else:
-        raise ValueError(f"tree.fusion must be 'mean' or 'softmax', got {t.fusion!r}")
+        raise ConfigError(f"tree.fusion must be 'mean' or 'softmax', got {t.fusion!r}")
     groups = node_tree * (d_max + 1) + node_depth
     node_adv, est_stats = estimator(node_r.float(), groups, node_valid, cfg.algo)      # [K]
     stats = {f"tree/node_{key.split('/')[-1]}": v for key, v in est_stats.items()}

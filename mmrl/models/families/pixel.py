@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from mmrl.errors import ConfigError
 from mmrl.models.families import Family, LoadOptions, PlanInputs
 from mmrl.models.families.wan import LORA_TARGETS as WAN_LORA_TARGETS, wan_call
 from mmrl.models.flow_model import SD3_LORA_TARGETS, EncodeFn, FlowModel, sd3_call
@@ -54,7 +55,7 @@ def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
 
     cls = index.get("transformer_class", "SD3Transformer2DModel")
     if cls not in TRANSFORMERS:
-        raise ValueError(f"{folder}: unsupported transformer_class {cls!r} ({', '.join(TRANSFORMERS)})")
+        raise ConfigError(f"{folder}: unsupported transformer_class {cls!r} ({', '.join(TRANSFORMERS)})")
     transformer = getattr(diffusers, cls).from_pretrained(os.path.join(folder, "transformer"), dtype=options.dtype)
     text_encoder = CLIPTextModelWithProjection.from_pretrained(os.path.join(folder, "text_encoder"))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(folder, "tokenizer"))

@@ -34,6 +34,7 @@ from functools import partial
 
 import torch
 
+from mmrl.errors import ConfigError
 from mmrl.models.families import Family, LoadOptions, PlanInputs, qwen_image
 from mmrl.models.families.common import (TEXT_LEN, dynamic_schedule, dynamic_shift_mu, from_pretrained, pack2x2,
                                          padded, unpack2x2)
@@ -110,8 +111,8 @@ def condition_encoder(pipe, spec: Edit, length: int):
     @torch.no_grad()
     def encode(texts, images=None):
         if images is None or len(images) != len(texts) or not all(0 < len(i) <= spec.max_images for i in images):
-            raise ValueError(f"{spec.pipeline} edits 1 to {spec.max_images} image(s) per prompt: "
-                             f"encode_prompts(texts, [[image, ...], ...])")
+            raise ConfigError(f"{spec.pipeline} edits 1 to {spec.max_images} image(s) per prompt: "
+                              f"encode_prompts(texts, [[image, ...], ...])")
         embeds, rows = [], []
         for text, imgs in zip(texts, images):
             seen = [proc.resize(im, spec.vlm_side, spec.vlm_side) for im in imgs]      # what the VLM looks at

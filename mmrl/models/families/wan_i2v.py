@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from mmrl.errors import ConfigError
 from mmrl.models.families import Family, LoadOptions, PlanInputs
 from mmrl.models.families.common import from_pretrained, wan_vae_decoder
 from mmrl.models.families.wan import (LORA_TARGETS, UMT5_XXL, WAN21_14B, tiny_text_encoder, tiny_transformer,
@@ -71,13 +72,13 @@ def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
     tr, vae = pipe.transformer, pipe.vae
     clip = tr.config.image_dim is not None
     if (tr.config.in_channels == tr.config.out_channels) != bool(pipe.config.get("expand_timesteps")):
-        raise ValueError(f"{folder}: an image-to-video transformer takes 16 + 20 input channels, or as many as it "
-                         f"outputs with expand_timesteps (Wan2.2 TI2V-5B); this one takes {tr.config.in_channels} "
-                         f"(expand_timesteps={pipe.config.get('expand_timesteps')}): is it a text-to-video model?")
+        raise ConfigError(f"{folder}: an image-to-video transformer takes 16 + 20 input channels, or as many as it "
+                          f"outputs with expand_timesteps (Wan2.2 TI2V-5B); this one takes {tr.config.in_channels} "
+                          f"(expand_timesteps={pipe.config.get('expand_timesteps')}): is it a text-to-video model?")
     length = options.text_max_length or TEXT_LEN
     if clip and length != TEXT_LEN:
-        raise ValueError(f"Wan2.1 I2V reads the last {TEXT_LEN} context tokens as the prompt: text_max_length must be "
-                         f"{TEXT_LEN}, got {length}")
+        raise ConfigError(f"Wan2.1 I2V reads the last {TEXT_LEN} context tokens as the prompt: text_max_length must be "
+                          f"{TEXT_LEN}, got {length}")
     frames, size = options.num_frames or 81, options.sample_size or 60                # 60: 480 px
     side, latent_frames = size * pipe.vae_scale_factor_spatial, (frames - 1) // pipe.vae_scale_factor_temporal + 1
 
