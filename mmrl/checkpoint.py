@@ -1,26 +1,45 @@
-"""Checkpoints: atomic folders, and a trainer's save / exact resume.
+"""Checkpoints: atomic folders, a trainer's sharded save / exact resume (on any world size), integrity, run folders
+that every node must see.
 
-checkpoints/iter-N/ holds policy/ (the policy's save_pretrained: loadable on its own), trainer_state.pt (raw
-trainable weights, EMA, optimizer, RNG, iteration, elapsed minutes; weights_only-loadable), config.json, and
-under FSDP one optimizer-rankR.pt per rank.
+checkpoints/iter-N/ holds
+    state/               torch.distributed.checkpoint shards written by every rank (mmrl/checkpoint_state.py): the
+                         raw trained weights, the EMA shadow and the optimizer state, keyed by parameter name, so a
+                         resume reshards them to any world size and to one process, DDP or FSDP2
+    trainer_state.json   iteration, elapsed minutes, RNG, timed evaluations, the start evaluation, metrics lines,
+                         the writer's world size and parallelism (rank 0)
+    config.json          the run's config
+    policy/              the final checkpoint of a run only: the policy's save_pretrained (diffusers / peft
+                         loadable) with the EMA weights when EMA is on, else the raw ones
+    manifest.json        written last: every file's size and sha256
+
+Where the trained tensors are: once raw and once as EMA (state/), in every checkpoint. A policy/ folder is an
+export: the run's last save writes one, and `policy_folder` (what `mmrl eval`, `mmrl sample` and `mmrl export`
+call) builds it from state/ and config.json the first time an earlier checkpoint is asked for, so an intermediate
+checkpoint never stores a third copy. (The final checkpoint holds that third copy: what users load and ship.)
+
+Nothing is gathered whole on one host for the trainer state; writing policy/ under FSDP2 all-gathers one
+parameter at a time onto rank 0 (LoRA: the adapters only; full fine-tuning: rank 0 then holds the whole model).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+import uuid
 
 import torch
 
+from mmrl import checkpoint_state as cs
 from mmrl.config import to_dict
-from mmrl.distributed import from_local_state, gather_to, local_state, shard_like, unsharded
+from mmrl.distributed import unsharded
+from mmrl.errors import ConfigError, DamagedCheckpoint, MissingFile
 
 log = logging.getLogger(__name__)
-
 
 @contextlib.contextmanager
 def atomic_dir(path: str):
@@ -84,99 +103,201 @@ def prune(folder: str, keep: int) -> None:
         shutil.rmtree(os.path.join(folder, d), ignore_errors=True)
 
 
+def _last_save(tr) -> bool:
+    """Whether this save ends the run (Trainer.fit's stop rule): it writes the policy/ export."""
+    t = tr.cfg.train
+    return tr.iteration >= t.iterations or (t.time_budget_min > 0 and tr.elapsed_min >= t.time_budget_min)
+
+
 def save_trainer(tr) -> str:
-    """checkpoints/iter-N of trainer `tr` (mmrl.trainer.Trainer). Rank 0 writes (atomically); every rank takes part
-    in gathering sharded weights (FSDP: each rank also writes its optimizer shard into the same folder, which
-    needs a filesystem all ranks share), then all check that their parameters agree."""
+    """checkpoints/iter-N of trainer `tr` (mmrl.trainer.Trainer); every rank calls it. Rank 0 makes the folder
+    (atomically: it appears complete or not at all) and every rank writes its own shards into it, so the ranks of
+    several nodes need a shared log.out_dir (`check_shared_run_dir`). Each rank hashes what it wrote; rank 0 writes
+    the manifest last, then all check that their replicated parameters agree."""
     path = os.path.join(tr.cfg.log.out_dir, "checkpoints", f"iter-{tr.iteration:06d}")
     fsdp = tr.dist.world > 1 and tr.cfg.train.parallel == "fsdp"
     main = tr.dist.main
     if main:
         remove_stale(os.path.dirname(path))
     tr.dist.reshard()  # FSDP2: parameters a forward left gathered (the root's) go back to their shards first
-    params = gather_to(main, tr.params)     # whole CPU copies on rank 0 only (all-gathers under FSDP: every rank)
-    ema = gather_to(main, tr.ema.shadow) if tr.ema is not None else None
-    # the saved policy is the EMA one when enabled; raw weights go to trainer_state. Under FSDP rank 0 gathers what
-    # save_pretrained writes: the trained tensors (LoRA: the adapters), never a frozen base
-    saved = (lambda p: p.requires_grad) if getattr(tr.policy, "lora", False) else (lambda p: True)
-    # the saved values were gathered just above: rank 0 reuses them instead of holding a second copy (the same
-    # keys on every rank, so every rank skips the same gathers; the values exist on rank 0 only)
-    known = {id(p): v for p, v in zip(tr.params, ema if ema is not None else params)}
-    with tr.ema_weights(), unsharded(tr.policy.trainable_modules() if fsdp else [], main, saved, known), \
-            contextlib.ExitStack() as stack:
-        tmp = stack.enter_context(atomic_dir(path)) if tr.dist.main else None
-        tmp = tr.dist.broadcast_object(tmp)
-        if fsdp:  # optimizer state is sharded like the parameters: one file per rank
-            torch.save(local_state(tr.opt.state_dict()), os.path.join(tmp, f"optimizer-rank{tr.dist.rank}.pt"))
-        tr.dist.barrier()  # every shard is in the folder before rank 0 publishes it
-        if tr.dist.main:
-            tr.policy.save_pretrained(os.path.join(tmp, "policy"))
-            state = {"iteration": tr.iteration, "optimizer": None if fsdp else tr.opt.state_dict(),
-                     "params": params, "ema": ema, "torch_rng": torch.get_rng_state(),
-                     "elapsed_min": tr.elapsed_min, "timed_evals": json.dumps(tr.timed_evals),
-                     "eval_start": json.dumps(tr.eval_start), "metrics_lines": tr.logger.lines,
-                     "world": tr.dist.world, "parallel": tr.cfg.train.parallel}
-            torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    with contextlib.ExitStack() as stack:
+        tmp = tr.dist.broadcast_object(stack.enter_context(atomic_dir(path)) if main else None)
+        cs.save_state(tr, os.path.join(tmp, cs.STATE))
+        if _last_save(tr):  # the export: EMA weights when enabled. Under FSDP rank 0 gathers what save_pretrained
+            # writes, one parameter at a time: the trained tensors (LoRA: the adapters), never a frozen base
+            saved = (lambda p: p.requires_grad) if getattr(tr.policy, "lora", False) else (lambda p: True)
+            with tr.ema_weights(), unsharded(tr.policy.trainable_modules() if fsdp else [], main, saved):
+                if main:
+                    tr.policy.save_pretrained(os.path.join(tmp, "policy"))
+        if main:
+            state = {"iteration": tr.iteration, "elapsed_min": tr.elapsed_min, "timed_evals": tr.timed_evals,
+                     "eval_start": tr.eval_start, "metrics_lines": tr.logger.lines, "world": tr.dist.world,
+                     "parallel": tr.cfg.train.parallel, "ema": tr.ema is not None,
+                     "torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump(state, f, indent=1)
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(to_dict(tr.cfg), f, indent=2)
-    if tr.dist.main:
+        tr.dist.barrier()  # every file is written before any is hashed
+        entries = {}
+        for part in tr.dist.gather_list([cs.hash_mine(tmp, tr.dist.rank, tr.dist.world)], every_rank=True):
+            entries.update(part)
+        if main:
+            cs.write_manifest(tmp, entries)
+    if main:
         prune(os.path.dirname(path), tr.cfg.log.keep_checkpoints)
     tr.dist.barrier()
     tr.dist.check_in_sync(tr.params)
     return path
 
 
-def load_state(folder: str) -> tuple[str, dict] | None:
-    """(path, trainer state) of the newest intact checkpoint under `folder`: one whose trainer_state.pt and
-    policy/ load is skipped with a warning naming it and the one used instead; None when there is no checkpoint.
-    Raises when every checkpoint is damaged, naming each and why."""
-    remove_stale(folder)
+def newest_intact(folder: str, dist=None, using: str = "resuming from") -> str | None:
+    """The newest checkpoint under `folder` whose files match its manifest; a damaged newer one is skipped with a
+    warning naming it, what is wrong, and the one used instead. None when there is no checkpoint; RuntimeError
+    (DamagedCheckpoint) when none is intact. dist (mmrl.distributed.Distributed): every rank calls it, each verifies its share of the
+    files and all get the same answer."""
+    rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
+    if rank == 0:
+        remove_stale(folder)
+    found = checkpoints(folder)
+    found = dist.broadcast_object(found) if dist is not None else found  # rank 0's listing: every rank tries the same
     failures = []
-    for path in checkpoints(folder):
-        try:
-            if not os.path.isfile(os.path.join(path, "policy", "mmrl_policy.json")):
-                raise FileNotFoundError("policy/mmrl_policy.json is missing")
-            state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
-        except Exception as e:  # a truncated / missing file: try the previous checkpoint
-            failures.append(f"{path}: {type(e).__name__}: {e}")
-            continue
-        if failures:
-            log.warning("damaged checkpoint(s) skipped: %s; resuming from %s instead", "; ".join(failures), path)
-        return path, state
+    for path in found:
+        problems = cs.verify(path, rank, world)
+        problems = dist.gather_list(problems, every_rank=True) if dist is not None else problems
+        if not problems:
+            if failures and rank == 0:
+                log.warning("damaged checkpoint(s) skipped: %s; %s %s instead", "; ".join(failures), using, path)
+            return path
+        failures.append(f"{path}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     if failures:
-        raise RuntimeError("no intact checkpoint to resume from: " + "; ".join(failures) + ". Start a new run "
+        raise DamagedCheckpoint("no intact checkpoint to resume from: " + "; ".join(failures) + ". Start a new run "
                            "(--overwrite, or another log.out_dir)")
     return None
 
 
 def resume_trainer(tr) -> bool:
     """Load the newest intact checkpoint in log.out_dir into trainer `tr` (weights, EMA, optimizer, RNG, iteration,
-    elapsed minutes, the start evaluation) and cut its logs back to that checkpoint; False when there is none."""
-    found = load_state(os.path.join(tr.cfg.log.out_dir, "checkpoints")) if tr.dist.main else None
-    path = tr.dist.broadcast_object(found[0] if found else None)  # rank 0 picks: every rank resumes from one
+    elapsed minutes, the start evaluation), resharded to this run's processes and parallelism, and cut its logs
+    back to that checkpoint; False when there is none."""
+    path = newest_intact(os.path.join(tr.cfg.log.out_dir, "checkpoints"), tr.dist)
     if path is None:
         return False
-    state = found[1] if found else torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
-    sharded = state["optimizer"] is None
-    if sharded and (state.get("world") != tr.dist.world or tr.cfg.train.parallel != "fsdp"):
-        raise ValueError(f"{path} was written by an FSDP run on {state.get('world')} processes; its optimizer "
-                         f"state is sharded: resume it with train.parallel=fsdp on as many processes")
-    with torch.no_grad():
-        for p, v in zip(tr.params, state["params"]):
-            p.copy_(shard_like(v, p))
-        if state["ema"] is not None and tr.ema is not None:
-            for e, v in zip(tr.ema.shadow, state["ema"]):
-                e.copy_(shard_like(v, e))
-    if sharded:
-        opt = torch.load(os.path.join(path, f"optimizer-rank{tr.dist.rank}.pt"), weights_only=True)
-        tr.opt.load_state_dict(from_local_state(opt, tr.params))
-    else:
-        tr.opt.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["torch_rng"])
+    state = json.load(open(os.path.join(path, "trainer_state.json")))
+    tr.dist.reshard()
+    cs.load_state(tr, os.path.join(path, cs.STATE), ema=state["ema"] and tr.ema is not None)
+    if tr.ema is not None and not state["ema"]:  # EMA switched on at resume: it starts from the weights
+        with torch.no_grad():
+            for e, p in zip(tr.ema.shadow, tr.params):
+                e.copy_(p)
+    rng = torch.frombuffer(bytearray(base64.b64decode(state["torch_rng"])), dtype=torch.uint8)
+    torch.set_rng_state(rng)
     tr.iteration = state["iteration"]
-    tr.elapsed_min = state.get("elapsed_min", 0.0)
-    tr.timed_evals = json.loads(state.get("timed_evals", "[]"))
-    tr.eval_start = json.loads(state.get("eval_start", "null"))
-    tr.reopen_logger(resume=(state.get("metrics_lines"), tr.iteration))
-    log.info("resumed from %s at iteration %d", path, tr.iteration)
+    tr.elapsed_min = state["elapsed_min"]
+    tr.timed_evals = state["timed_evals"]
+    tr.eval_start = state["eval_start"]
+    tr.reopen_logger(resume=(state["metrics_lines"], tr.iteration))
+    log.info("resumed from %s at iteration %d (written by %d process(es), train.parallel=%s)", path, tr.iteration,
+             state["world"], state["parallel"])
     return True
+
+
+def read_trainer_state(path: str) -> dict:
+    """A checkpoint's trainer state in one process, whole tensors: trainer_state.json's keys plus "params" and "ema"
+    (lists in the optimizer's order; ema None without EMA) and "names". For tools and tests; resuming reshards."""
+    state = json.load(open(os.path.join(path, "trainer_state.json")))
+    folder = os.path.join(path, cs.STATE)
+    raw = cs.read_tensors(folder, "model")
+    state["names"] = list(raw)  # DCP's metadata keeps the save order: the optimizer's
+    state["params"] = list(raw.values())
+    state["ema"] = list(cs.read_tensors(folder, "ema").values()) if state["ema"] else None
+    return state
+
+
+# ----------------------------------------------------------------------------------- eval / sample / export
+def policy_folder(checkpoint: str) -> str | None:
+    """The policy folder (policy/ with mmrl_policy.json) of a run folder (its newest intact checkpoint), a trainer
+    checkpoint or a policy folder; None for a plain model folder. A damaged checkpoint is refused with one line
+    naming what is wrong and an intact one to use instead; a checkpoint without policy/ gets one, built from its
+    state/ (EMA weights) and config.json."""
+    newest = None
+    if os.path.isdir(os.path.join(checkpoint, "checkpoints")):
+        newest = newest_intact(os.path.join(checkpoint, "checkpoints"), using="using")
+    checkpoint = newest or checkpoint
+    if not os.path.isdir(checkpoint):
+        raise MissingFile(f"checkpoint {checkpoint!r} does not exist (give runs/NAME/checkpoints/iter-N, its "
+                                f"policy/ folder, or a model folder)")
+    if os.path.basename(os.path.normpath(checkpoint)) == "policy" and os.path.isfile(
+            os.path.join(checkpoint, "mmrl_policy.json")):
+        trainer_ck = os.path.dirname(os.path.normpath(checkpoint))
+        if os.path.isfile(os.path.join(trainer_ck, cs.MANIFEST)):
+            _check_intact(trainer_ck)
+        return checkpoint
+    if os.path.isfile(os.path.join(checkpoint, "mmrl_policy.json")):  # a policy folder saved on its own
+        return checkpoint
+    is_trainer_ck = os.path.isdir(os.path.join(checkpoint, cs.STATE)) or os.path.isfile(
+        os.path.join(checkpoint, cs.MANIFEST)) or os.path.isfile(os.path.join(checkpoint, "trainer_state.pt"))
+    if not is_trainer_ck:
+        return None
+    if not os.path.isfile(os.path.join(checkpoint, "trainer_state.pt")):  # (mmrl before manifests wrote that file)
+        _check_intact(checkpoint)
+    policy = os.path.join(checkpoint, "policy")
+    if not os.path.isfile(os.path.join(policy, "mmrl_policy.json")):
+        build_policy_folder(checkpoint)
+    return policy
+
+
+def _check_intact(checkpoint: str) -> None:
+    problems = cs.verify(checkpoint)
+    if problems:
+        parent = os.path.dirname(os.path.normpath(checkpoint))
+        try:
+            other = newest_intact(parent)
+        except DamagedCheckpoint:
+            other = None
+        instead = f"; {other} is intact" if other else "; no other checkpoint of this run is intact"
+        raise DamagedCheckpoint(f"checkpoint {checkpoint} is damaged: {'; '.join(problems[:3])}{instead}")
+
+
+def build_policy_folder(checkpoint: str) -> str:
+    """Write checkpoint/policy/ (atomically) from its state/ and config.json: the policy that config builds, in one
+    process, with the saved EMA weights (the raw ones without EMA). Loads the whole model on this host."""
+    from mmrl import compose
+
+    cfg = compose.load_config(os.path.join(checkpoint, "config.json"), ["train.parallel=none"])
+    policy = compose.build_policy(cfg)
+    cs.load_into_policy(policy, os.path.join(checkpoint, cs.STATE), "ema")
+    log.info("writing %s/policy from its sharded state", checkpoint)
+    with atomic_dir(os.path.join(checkpoint, "policy")) as tmp:
+        policy.save_pretrained(tmp)
+    return os.path.join(checkpoint, "policy")
+
+
+# ------------------------------------------------------------------------------------------- several nodes
+def check_shared_run_dir(out_dir: str, dist, multinode: bool | None = None) -> None:
+    """Refuse a multi-node run whose log.out_dir is not one folder every rank sees: each rank writes its own
+    checkpoint shards into the folder rank 0 made, so node-local folders would scatter a checkpoint over nodes.
+    Rank 0 writes a token file, then every rank looks for it; all ranks raise together when any misses it.
+    multinode: None decides by LOCAL_WORLD_SIZE < WORLD_SIZE (torchrun's variables); every rank must call it."""
+    if multinode is None:
+        multinode = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world)) < dist.world
+    if dist.world == 1 or not multinode:
+        return
+    token = None
+    if dist.main:
+        os.makedirs(out_dir, exist_ok=True)
+        token = f".shared-check-{uuid.uuid4().hex}"
+        with open(os.path.join(out_dir, token), "w") as f:
+            f.write(token)
+    token = dist.broadcast_object(token)
+    dist.barrier()
+    path = os.path.join(out_dir, token)
+    sees = os.path.isfile(path) and open(path).read() == token
+    blind = [r for r, ok in enumerate(dist.gather_list([sees], every_rank=True)) if not ok]
+    if dist.main:
+        os.remove(path)
+    if blind:
+        raise ConfigError(f"log.out_dir={out_dir!r} is not shared: rank(s) {blind} cannot see the file rank 0 wrote "
+                           f"there. Each rank writes its own checkpoint shards into that folder, so a run on several "
+                           f"nodes needs log.out_dir on a filesystem every node mounts (NFS, Lustre, a cloud volume) "
+                           f"at the same path")
