@@ -16,31 +16,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 
 from mmrl import compose
 from mmrl.config import sample_chunk
-from mmrl.errors import MissingFile
 from mmrl.evaluation import EVAL_SEED, evaluate_outputs
 from mmrl.reward import RewardRunner
 
 
 def policy_folder(checkpoint: str) -> str | None:
     """The saved policy folder of a trainer checkpoint, a policy folder or a run folder (log.out_dir: its newest
-    checkpoint); None for a plain model folder."""
-    from mmrl.checkpoint import latest
+    intact checkpoint); None for a plain model folder (mmrl.checkpoint.policy_folder: integrity, sharded state)."""
+    from mmrl.checkpoint import policy_folder as resolve
 
-    newest = latest(os.path.join(checkpoint, "checkpoints"))
-    if newest is not None:
-        checkpoint = newest
-    for path in (os.path.join(checkpoint, "policy"), checkpoint):
-        if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
-            return path
-    if not os.path.isdir(checkpoint):
-        raise FileNotFoundError(f"checkpoint {checkpoint!r} does not exist (give runs/NAME/checkpoints/iter-N, its "
-                                f"policy/ folder, or a model folder)")
-    return None
+    return resolve(checkpoint)
 
 
 def evaluate_checkpoints(cfg, checkpoints: list[str], seed: int = EVAL_SEED, base: bool = True,
