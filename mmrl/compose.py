@@ -114,9 +114,14 @@ def _choice(key: str, value, valid: tuple) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- building
-def build_policy(cfg: Config):
-    """POLICIES[model.policy](cfg)."""
-    return POLICIES[cfg.model.policy](cfg)
+def build_policy(cfg: Config, dist=None):
+    """POLICIES[model.policy](cfg). `dist` (the run's mmrl.distributed.Distributed) goes to a builder that takes it:
+    under FSDP on several processes the flow policy then builds its trained transformers without weights and loads
+    them into shards when `parallelize` has sharded them, so no rank holds a whole copy at start-up."""
+    factory = POLICIES[cfg.model.policy]
+    if dist is not None and "dist" in inspect.signature(factory).parameters:
+        return factory(cfg, dist=dist)
+    return factory(cfg)
 
 
 def build_task(cfg: TaskConfig):

@@ -47,7 +47,7 @@ class Trainer:
         check_parallel_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any weight loads
         self.dist = Distributed(cfg.train.parallel, cfg.train.context_parallel, cfg.train.cp_kind)
         torch.manual_seed(cfg.train.seed)  # the same initial weights (and LoRA init) on every rank
-        self.policy = compose.build_policy(cfg)
+        self.policy = compose.build_policy(cfg, self.dist)  # under FSDP: loaded into shards by parallelize
         self.objective = build_objective(cfg.algo)  # what each training pass minimizes (its terms)
         if cfg.train.gradient_checkpointing:
             self.policy.enable_gradient_checkpointing()

@@ -1,5 +1,12 @@
 """`load_flow_model(path)`: a FlowModel from a generator folder, through its model family (mmrl/models/families/:
-the folder's model_index.json `_class_name` picks it, or `family` names one, a user's own by import path)."""
+the folder's model_index.json `_class_name` picks it, or `family` names one, a user's own by import path).
+
+Sharded loading (FSDP2, several processes): `load_flow_model(..., meta=("transformer",))` builds the trained
+transformers on the meta device (parameters without storage; buffers real, they are small and some are not in the
+weight files); after `fully_shard` splits them, `load_into_shards` gives each rank storage for its own shard only
+and reads that shard's rows from the safetensors files, so no rank ever holds a whole copy; `copy_shards` fills a
+second sharded module (the frozen KL reference) from the first, shard by shard, in its own dtype.
+"""
 
 from __future__ import annotations
 
@@ -34,22 +41,131 @@ def read_index(path: str) -> dict:
 
 def load_flow_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
                     sample_size: int | None = None, num_frames: int | None = None, guidance: float = 3.5,
-                    text_max_length: int | None = None, family: str | None = None) -> FlowModel:
+                    text_max_length: int | None = None, family: str | None = None,
+                    meta: tuple[str, ...] = ()) -> FlowModel:
     """Load a generator folder through its family. `sample_size` overrides the latent size (H = W), `num_frames`
     a video's length, `guidance` the guidance-embedding scale, `text_max_length` the prompt tokens; `family` a
-    registered family name or package.module:NAME (else the folder's model_index.json class picks it)."""
+    registered family name or package.module:NAME (else the folder's model_index.json class picks it); `meta`
+    the components (trained transformers) built on the meta device, their weights left for `load_into_shards`."""
     index = read_index(path)
     fam = family_for(index.get("_class_name"), family, where=os.path.join(path, "model_index.json"))
     missing = missing_parts(path, index)
     if missing:  # else from_pretrained would look for them on the hub ("couldn't connect to huggingface.co")
         raise MissingFile(f"{path!r}: model_index.json names {missing}, but the folder has no "
                           f"{', '.join(m + '/' for m in missing)}; copy the whole folder")
-    model = fam.load(path, index, LoadOptions(dtype, device, sample_size, num_frames, guidance, text_max_length))
+    model = fam.load(path, index, LoadOptions(dtype, device, sample_size, num_frames, guidance, text_max_length,
+                                              tuple(meta)))
     for m in model.text_modules:
         m.requires_grad_(False).eval()
-    model.transformer.to(device)
-    if model.transformer_2 is not None:
-        model.transformer_2.to(device)
+    for name in ("transformer", "transformer_2"):
+        if getattr(model, name) is not None and name not in meta:
+            getattr(model, name).to(device)
     for m in model.text_modules:
         m.to(device)
     return model
+
+
+# ------------------------------------------------------------------------------------------- sharded loading
+READ_BATCH = 256 * 2**20  # bytes read through one safetensors mapping before it is reopened (its pages count as
+                          # resident memory while it is open)
+
+
+def shardable_weights(folder: str) -> bool:
+    """Whether `folder` (a model component) holds safetensors weights that `load_into_shards` reads."""
+    return os.path.isdir(folder) and any(f.endswith(".safetensors") for f in os.listdir(folder))
+
+
+def meta_component(folder: str, name: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The diffusers model `folder/name` (its config.json class) with its parameters on the meta device, in the
+    dtypes `from_pretrained(dtype=dtype)` gives them (modules the class keeps in fp32 stay fp32); buffers are real
+    (computed by the constructor: some, like SD3's positional table, are not in the weight files)."""
+    import diffusers
+    from accelerate import init_empty_weights
+
+    config = json.load(open(os.path.join(folder, name, "config.json")))
+    cls = getattr(diffusers, config["_class_name"])
+    with init_empty_weights(include_buffers=False):
+        model = cls.from_config(config)
+    keep = getattr(cls, "_keep_in_fp32_modules", None) or ()
+    for tname, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point() and not any(k in tname.split(".") for k in keep):
+            t.data = t.data.to(dtype)
+    return model.eval()
+
+
+def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(f"{mn}.{bn}" if mn else bn, b) for mn, m in module.named_modules() for bn, b in m._buffers.items()
+            if b is not None and bn not in m._non_persistent_buffers_set]
+
+
+def materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Storage on `device` for the meta parameters of `module` (FSDP2: this rank's shards only), uninitialized;
+    its real buffers keep their values."""
+    kept = {n: b for n, b in module.named_buffers()}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in module.named_buffers():
+            if not kept[n].is_meta:
+                b.copy_(kept[n])
+
+
+def _local_slice(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """(this rank's local tensor, its slice of the whole tensor): an FSDP2 DTensor's shard, or the whole tensor."""
+    if not hasattr(t, "device_mesh"):
+        return t, tuple(slice(0, n) for n in t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+@torch.no_grad()
+def load_into_shards(module: torch.nn.Module, folder: str, device: torch.device) -> None:
+    """Fill `module` (built by `meta_component`, then sharded by `fully_shard`, or whole) from the safetensors
+    files of `folder`: each rank allocates and reads only its own shard of every parameter (rows of dim 0 under
+    FSDP2), cast to the parameter's dtype (fp32 master weights are upcast shard by shard). Every parameter and
+    persistent buffer must be in the files with its shape; else ValueError naming the folder and the keys."""
+    from safetensors import safe_open
+
+    materialize(module, device)
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    where: dict[str, str] = {}
+    for f in files:
+        with safe_open(os.path.join(folder, f), "pt") as h:
+            where.update({k: f for k in h.keys()})
+    targets = [*module.named_parameters(), *_persistent_buffers(module)]
+    missing = [n for n, _ in targets if n not in where]
+    extra = sorted(set(where) - {n for n, _ in targets})
+    if missing or extra:
+        raise ValueError(f"{folder}: the weight files do not match {type(module).__name__}'s config.json: missing "
+                         f"{missing[:5]}, unexpected {extra[:5]} ({len(missing)} / {len(extra)} in all)")
+    by_file: dict[str, list] = {}
+    for n, t in targets:
+        by_file.setdefault(where[n], []).append((n, t))
+    for f, items in by_file.items():
+        h, read = None, 0
+        for n, t in items:
+            if h is None or read > READ_BATCH:  # reopen: the pages read so far leave the resident set
+                h, read = safe_open(os.path.join(folder, f), "pt", device="cpu"), 0
+            part = h.get_slice(n)
+            if tuple(part.get_shape()) != tuple(t.shape):
+                raise ValueError(f"{folder}: {n} has shape {tuple(part.get_shape())} in {f}, the model expects "
+                                 f"{tuple(t.shape)}: is config.json the one these weights were saved with?")
+            local, rows = _local_slice(t)
+            value = part[rows] if t.dim() else h.get_tensor(n)
+            local.copy_(value.reshape(local.shape))
+            read += value.numel() * value.element_size()
+        del h
+
+
+@torch.no_grad()
+def copy_shards(src: torch.nn.Module, dst: torch.nn.Module, device: torch.device) -> None:
+    """Fill `dst` (a meta copy of `src`, sharded the same way, maybe in another dtype) from `src`'s local shards:
+    the frozen KL reference from the live transformer, never whole on a rank."""
+    materialize(dst, device)
+    pairs = list(zip([*src.named_parameters(), *_persistent_buffers(src)],
+                     [*dst.named_parameters(), *_persistent_buffers(dst)]))
+    for (ns, s), (nd, d) in pairs:
+        assert ns == nd and s.shape == d.shape, (ns, nd)  # deep copies of one module: same names, same layout
+        d_local, s_local = _local_slice(d)[0], _local_slice(s)[0]
+        d_local.copy_(s_local)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import logging
 import os
 
 import torch
@@ -27,41 +29,51 @@ from mmrl.errors import ConfigError
 from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, resolve_model_path,
                               save_lora_adapter, upcast_trainable, write_policy_meta)
 from mmrl.models.flow_model import EXPERTS, FlowModel
-from mmrl.models.pipelines import load_flow_model
+from mmrl.models.pipelines import copy_shards, load_flow_model, load_into_shards, shardable_weights
 from mmrl.policy.flow_checkpoint import (  # noqa: F401  (load_policy_checkpoint: the checkpoint loader's home is there)
     _link_base_parts, _load_transformer_weights, load_policy_checkpoint, save_diffusers_lora)
 from mmrl.rollout.tree import run_tree, trained_steps
 from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std, strided_schedule
 
 WEIGHTS_FILE = "trainable.safetensors"
+log = logging.getLogger(__name__)
 
 
 class FlowPolicy(PolicyDefaults):
     def __init__(self, model: FlowModel, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = "",
                  progress: bool = False, tree_cfg=None, model_options: dict | None = None, micro_batch: int = 0,
-                 text_cache: int = 1024, offload: bool = False, objective: str = "transitions"):
+                 text_cache: int = 1024, offload: bool = False, objective: str = "transitions",
+                 device: torch.device | None = None):
+        """device: where the trained transformers go; needed when they were built on the meta device (loaded into
+        shards by `parallelize`), else read from their parameters."""
         from mmrl.config import TreeConfig
 
         self.model, self.cfg, self.model_path, self.progress = model, sampler_cfg, model_path, progress
         self.model.cfg_grad = sampler_cfg.cfg_grad
         self.tree = tree_cfg or TreeConfig()
         self.model_options = model_options or {}  # how the base was loaded (sample_size ...), kept in checkpoints
-        self.device = next(model.transformer.parameters()).device
+        first = next(model.transformer.parameters())
+        # the experts built on the meta device: their weights are read into shards once FSDP has split them
+        self._pending = [n for n, tr in self.experts() if next(tr.parameters()).is_meta]
+        if self._pending and device is None:
+            raise ValueError("transformers built on the meta device need the policy's `device`")
+        self.device = torch.device(device) if self._pending else first.device
         self.lora = bool(lora_cfg.enabled)
         if self.lora:
             from peft import LoraConfig
 
             self.lora_config = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, init_lora_weights="gaussian",
                                           target_modules=list(lora_cfg.target_modules or model.lora_targets))
-        for _, tr in self.experts():  # Wan2.2: each expert trains on the steps of its noise range
+        # {expert name: frozen copy} for a KL reference under full fine-tuning; LoRA disables its adapters instead
+        self._ref_copy = {} if reference == "auto" and not self.lora else None
+        for name, tr in self.experts():  # Wan2.2: each expert trains on the steps of its noise range
             tr.requires_grad_(not self.lora)
             if self.lora:
                 tr.add_adapter(self.lora_config)
-            upcast_trainable(tr)
+            if self._ref_copy is not None:  # before the upcast: the reference keeps the checkpoint's dtype (model.dtype)
+                self._ref_copy[name] = copy.deepcopy(tr).requires_grad_(False).eval()
+            upcast_trainable(tr)  # on the meta device when loaded into shards: the shards are then made fp32
             tr.train()
-        self._ref_copy = None  # {expert name: frozen copy}
-        if reference == "auto" and not self.lora:
-            self._ref_copy = {name: copy.deepcopy(tr).requires_grad_(False).eval() for name, tr in self.experts()}
         self.has_reference = reference == "auto"
         self.sigmas = model.schedule(sampler_cfg.num_steps, sampler_cfg.shift)  # [S + 1], the family's shift
         # mean SDE std over the trainable steps 0 .. S-2 of the schedule (TempFlow-GRPO's weight normalizer)
@@ -394,6 +406,16 @@ class FlowPolicy(PolicyDefaults):
         self.model.lockstep = self.model.transformer_2 is not None
         if parallel == "fsdp" and self._ref_copy is not None and not self.offload:
             self._ref_copy = {name: wrap(ref) for name, ref in self._ref_copy.items()}
+        if self._pending:  # built on the meta device: each rank reads its shards, the reference copies them
+            if parallel != "fsdp":
+                raise RuntimeError(f"transformers built on the meta device are loaded into FSDP shards; "
+                                   f"train.parallel={parallel} has none")
+            experts = dict(self.experts())
+            for name in self._pending:
+                load_into_shards(experts[name], os.path.join(self.model_path, name), self.device)
+                if self._ref_copy is not None:
+                    copy_shards(experts[name], self._ref_copy[name], self.device)
+            self._pending = []
 
     def context_parallel(self, mesh, kind: str) -> None:
         """Each transformer (and a frozen KL reference copy) runs its calls split over the mesh's cp ranks through
@@ -465,7 +487,8 @@ def in_chunks(fn, size: int, *tensors: torch.Tensor) -> torch.Tensor:
     return torch.cat([fn(*(t[i:i + size] for t in tensors)) for i in range(0, n, size)])
 
 
-def build_flow_policy(cfg) -> FlowPolicy:
+def build_flow_policy(cfg, dist=None) -> FlowPolicy:
+    """The flow policy of `cfg`; `dist` (several processes): see `shard_on_load`."""
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
     device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     path = resolve_model_path(cfg.model.path)
@@ -474,7 +497,32 @@ def build_flow_policy(cfg) -> FlowPolicy:
                           f"base model folder")
     options = {"sample_size": cfg.model.sample_size, "num_frames": cfg.model.num_frames, "guidance": cfg.model.guidance,
                "text_max_length": cfg.model.text_max_length, "family": cfg.model.family}
-    model = load_flow_model(path, dtype, device, **options)
+    meta = shard_on_load(cfg, dist, path)
+    model = load_flow_model(path, dtype, device, **options, meta=meta)
     return FlowPolicy(model, cfg.sampler, cfg.model.lora, reference_kind(cfg), path, cfg.log.progress, cfg.tree,
                       options, sample_chunk(cfg.train), cfg.model.text_cache, cfg.model.offload,
-                      build_objective(cfg.algo).actions)
+                      build_objective(cfg.algo).actions, device=resolve_device(device) if meta else None)
+
+
+def shard_on_load(cfg, dist, path: str) -> tuple[str, ...]:
+    """The trained transformers to build on the meta device and load into FSDP2 shards after `parallelize` (so
+    every rank holds 1/world of them from the first byte): full fine-tuning under FSDP on several processes, from
+    safetensors folders. LoRA (the frozen base is sharded after loading, in its own dtype), model.offload (the
+    reference stays whole on the CPU) and folders without safetensors load whole, as in one process."""
+    if dist is None or dist.world <= 1 or dist.parallel != "fsdp" or cfg.model.lora.enabled or cfg.model.offload:
+        return ()
+    if not os.path.isfile(os.path.join(path, "model_index.json")):
+        return ()  # load_flow_model says what the folder lacks
+    index = json.load(open(os.path.join(path, "model_index.json")))
+    names = tuple(n for n in EXPERTS if n == "transformer" or (index.get(n) or [None])[0])
+    if not all(shardable_weights(os.path.join(path, n)) for n in names):
+        log.warning("%s: no safetensors weights in %s; every rank loads the whole transformer before FSDP shards it",
+                    path, ", ".join(n + "/" for n in names))
+        return ()
+    return names
+
+
+def resolve_device(device: str) -> torch.device:
+    """torch.device(device), with a CUDA device's index (this process's current device) filled in."""
+    d = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d

@@ -32,6 +32,8 @@ class LoadOptions:
     num_frames: int | None = None        # video frames (Wan: None = 81)
     guidance: float = 3.5                # guidance-embedding scale (FLUX.1-dev, FLUX.2-dev)
     text_max_length: int | None = None   # prompt tokens (None: the pipeline's)
+    meta: tuple[str, ...] = ()           # components built on the meta device, their weights not read (FSDP loads
+                                         # them into shards: mmrl.models.pipelines.load_into_shards)
 
 
 class PlanInputs(NamedTuple):

@@ -15,7 +15,13 @@ def from_pretrained(folder: str, index: dict, options: LoadOptions):
     """The diffusers pipeline of `folder` (its model_index.json class), on options.device."""
     import diffusers
 
-    return getattr(diffusers, index["_class_name"]).from_pretrained(folder, dtype=options.dtype).to(options.device)
+    from mmrl.models.pipelines import meta_component
+
+    skip = {name: None for name in options.meta}  # built below without weights (options.meta)
+    pipe = getattr(diffusers, index["_class_name"]).from_pretrained(folder, dtype=options.dtype, **skip).to(options.device)
+    for name in options.meta:
+        setattr(pipe, name, meta_component(folder, name, options.dtype))
+    return pipe
 
 
 def pack2x2(x: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,12 @@ def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
     cls = index.get("transformer_class", "SD3Transformer2DModel")
     if cls not in TRANSFORMERS:
         raise ConfigError(f"{folder}: unsupported transformer_class {cls!r} ({', '.join(TRANSFORMERS)})")
-    transformer = getattr(diffusers, cls).from_pretrained(os.path.join(folder, "transformer"), dtype=options.dtype)
+    if "transformer" in options.meta:  # weights loaded later, into shards (mmrl.models.pipelines.load_into_shards)
+        from mmrl.models.pipelines import meta_component
+
+        transformer = meta_component(folder, "transformer", options.dtype)
+    else:
+        transformer = getattr(diffusers, cls).from_pretrained(os.path.join(folder, "transformer"), dtype=options.dtype)
     text_encoder = CLIPTextModelWithProjection.from_pretrained(os.path.join(folder, "text_encoder"))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(folder, "tokenizer"))
     size, ch = index["sample_size"], index["channels"]
