@@ -21,7 +21,7 @@ import os
 from mmrl import compose
 from mmrl.config import Config, policy_kind
 from mmrl.distributed import check_parallel_config
-from mmrl.errors import ConfigError, MissingFile
+from mmrl.errors import ConfigError, MissingFile, UserError
 from mmrl.metrics import check_report_to
 from mmrl.models.families import family_for
 from mmrl.models.pipelines import missing_parts
@@ -38,8 +38,8 @@ def check(cfg: Config, nproc: int = 1, config_path: str | None = None) -> list[s
     def run(fn, *args):
         try:
             fn(*args)
-        except (ValueError, FileNotFoundError, KeyError, ImportError, TypeError) as e:
-            problems.append(str(e).strip("'\""))
+        except UserError as e:  # an input check; anything else is a bug and keeps its traceback
+            problems.append(str(e))
 
     if policy_kind(cfg.model.policy) is not None:  # a user's own policy reads model.path its own way
         run(_check_model, cfg, config_path)

@@ -104,3 +104,35 @@ def test_causal_lm_smoke_train(tmp_path, tiny_arithmetic_lm):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["iterations"] == 2 and 0.0 <= res["eval_end"]["correct"] <= 1.0
+
+
+
+def test_user_errors_are_one_line_and_bugs_keep_their_traceback(tmp_path, capsys):
+    """Issue 43: only mmrl's own input checks (mmrl.errors.UserError) print one line and exit 2; any other
+    exception, here torch's ValueError from a deep call, keeps its traceback (status 1), even inside `validate`."""
+    from mmrl.cli import main
+
+    smoke = os.path.join(ROOT, "configs/tiny/flow_smoke.yaml")
+    cases = [(["train", smoke, "train.lrr=1e-4"], "unknown config key 'train.lrr'"),
+             (["train", smoke, "model.path=/no/such/model"], "model.path='/no/such/model' does not exist"),
+             (["train", smoke, "reward.name=nope"], "reward.name: unknown reward 'nope'; valid: ["),
+             (["train", smoke, "reward.name=no_such_module_here:score"],
+              "reward 'no_such_module_here:score' could not be imported (ModuleNotFoundError"),
+             (["export", str(tmp_path / "no_checkpoint"), str(tmp_path / "out")], "has no mmrl_policy.json")]
+    for argv, says in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, (argv, err)
+    with pytest.raises(ValueError, match="unknown config key 'train.lrr'"):  # --debug: the traceback, as before
+        main(["train", smoke, "train.lrr=1e-4", "--debug"])
+    # a bug: torch.cat([]) (torch raises ValueError) where preflight checks the process count; the real command
+    bug = ("import sys, torch, mmrl.preflight as p\n"
+           "p.check_parallel_config = lambda cfg, nproc: torch.cat([])\n"
+           "from mmrl.cli import main\n"
+           f"sys.exit(main(['validate', {smoke!r}]))\n")
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", bug], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback (most recent call last)" in r.stderr and "mmrl/preflight.py" in r.stderr
+    assert r.stderr.rstrip().endswith("ValueError: torch.cat(): expected a non-empty list of Tensors")
+    assert "problem(s)" not in r.stderr and "mmrl validate: error" not in r.stderr
