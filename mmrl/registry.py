@@ -45,7 +45,13 @@ class Registry(dict):
         if name in self:
             entry = super().__getitem__(name)
             if isinstance(entry, str):  # lazy built-in: import once, then keep the object
-                entry = import_path(entry)
+                try:
+                    entry = import_path(entry)
+                except ModuleNotFoundError as e:  # an optional library of this entry, not mmrl's own code: a user error
+                    if (e.name or "").split(".")[0] in ("mmrl", "tasks", "rewards"):
+                        raise
+                    raise MissingDependency(f"{self.axis} {name!r} needs the {e.name!r} package, which is not "
+                                            f"installed: pip install {e.name.split('.')[0]}") from e
                 self[name] = entry
             return entry
         if isinstance(name, str) and ":" in name:  # a user's own plugin
@@ -66,8 +72,8 @@ class Registry(dict):
             return default
 
     def check(self, name: str, where: str) -> None:
-        """Raise ValueError naming the config key `where` and the valid choices if `name` cannot be resolved
-        (a registered name is accepted without importing it; an import path is imported)."""
+        """Raise ConfigError (a ValueError) naming the config key `where` and the valid choices if `name` cannot be
+        resolved (a registered name is accepted without importing it; an import path is imported)."""
         if name in self:
             return
         try:
