@@ -19,10 +19,12 @@ W ranks costs ~S / W / 1.7 GB/s; verification splits the files over the ranks th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -31,6 +33,15 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 MANIFEST = "manifest.json"
 STATE = "state"  # the DCP folder inside a checkpoint
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # FileSystemWriter's per-rank shard files
+
+
+@contextlib.contextmanager
+def _one_process(alone: bool):
+    """DCP warns on every single-process save / load that it assumes one process: that is the intent here."""
+    with warnings.catch_warnings():
+        if alone:
+            warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
 
 
 def trained_modules(policy) -> torch.nn.ModuleList:
@@ -66,7 +77,7 @@ def trainer_state_dict(tr, ema: bool) -> dict:
 
 def save_state(tr, folder: str) -> None:
     """Every rank writes its shards of `tr`'s weights, EMA and optimizer state to `folder` (DCP); collective."""
-    with torch.no_grad():
+    with torch.no_grad(), _one_process(tr.dist.world == 1):
         dcp.save(trainer_state_dict(tr, tr.ema is not None), storage_writer=FileSystemWriter(folder),
                  process_group=tr.dist.cpu_group, no_dist=tr.dist.world == 1)
 
@@ -77,7 +88,7 @@ def load_state(tr, folder: str, ema: bool) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     sd = trainer_state_dict(tr, ema)
-    with torch.no_grad():
+    with torch.no_grad(), _one_process(tr.dist.world == 1):
         dcp.load(sd, storage_reader=FileSystemReader(folder), process_group=tr.dist.cpu_group,
                  no_dist=tr.dist.world == 1)
     set_optimizer_state_dict(trained_modules(tr.policy), tr.opt, sd["optim"])
@@ -93,7 +104,8 @@ def read_tensors(folder: str, prefix: str) -> dict[str, torch.Tensor]:
           if k.startswith(prefix + ".") and isinstance(m, TensorStorageMetadata)}
     if not sd:
         raise ValueError(f"{folder} holds no '{prefix}' tensors")
-    dcp.load(sd, storage_reader=FileSystemReader(folder), no_dist=True)
+    with _one_process(True):
+        dcp.load(sd, storage_reader=FileSystemReader(folder), no_dist=True)
     return {k[len(prefix) + 1:]: v for k, v in sd.items()}
 
 
@@ -126,9 +138,10 @@ def sha256(path: str, chunk: int = 16 << 20) -> str:
 
 
 def files(folder: str) -> list[str]:
-    """Every file under `folder` (relative paths, sorted), the manifest excepted."""
+    """Every file under `folder` (relative paths, sorted) but the manifest and config.json: the run's config is a
+    record people read and may edit (a key renamed by a newer mmrl); resuming takes the config it is given."""
     out = [os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs]
-    return sorted(f for f in out if f != MANIFEST)
+    return sorted(f for f in out if f not in (MANIFEST, "config.json"))
 
 
 def hash_mine(folder: str, rank: int, world: int) -> dict[str, dict]:

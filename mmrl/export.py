@@ -13,19 +13,21 @@ import json
 import os
 import shutil
 
+from mmrl.checkpoint import policy_folder
 from mmrl.errors import MissingFile, TargetExists
 
 
 def export(checkpoint: str, out: str) -> str:
-    """Write the merged model of `checkpoint` (a policy folder, or a trainer checkpoint iter-N) to `out`."""
-    if os.path.isfile(os.path.join(checkpoint, "policy", "mmrl_policy.json")):
-        checkpoint = os.path.join(checkpoint, "policy")
-    meta_file = os.path.join(checkpoint, "mmrl_policy.json")
-    if not os.path.isfile(meta_file):
-        raise MissingFile(f"{checkpoint!r} has no mmrl_policy.json: point at a policy folder written by mmrl "
-                          f"(runs/NAME/checkpoints/iter-N or its policy/)")
+    """Write the merged model of `checkpoint` (a policy folder, a trainer checkpoint iter-N, or a run folder: its
+    newest intact checkpoint) to `out`. A damaged checkpoint is refused (mmrl.errors.DamagedCheckpoint)."""
     if os.path.exists(out) and os.listdir(out):
         raise TargetExists(f"{out!r} exists and is not empty: choose a new folder")
+    folder = policy_folder(checkpoint)  # an intact checkpoint's policy/ (built from its shards when missing)
+    if folder is None:
+        raise MissingFile(f"{checkpoint!r} has no mmrl_policy.json: point at a policy folder written by mmrl "
+                          f"(runs/NAME, runs/NAME/checkpoints/iter-N or its policy/)")
+    checkpoint = folder
+    meta_file = os.path.join(checkpoint, "mmrl_policy.json")
     meta = json.load(open(meta_file))
     tmp = out.rstrip("/") + ".tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)
