@@ -8,6 +8,7 @@ import torch
 from mmrl.compose import load_config
 from mmrl.metrics import video_strips
 from mmrl.models.families.flux import flux_call
+from mmrl.models.flow_model import compute_dtype
 from mmrl.models.tiny_pipelines import build_tiny
 from mmrl.policy import POLICIES
 from mmrl.policy.flow import load_policy_checkpoint
@@ -213,3 +214,19 @@ def test_flux_sampler_reproduces_the_pipeline(pipelines):
         "a red circle", height=16, width=16, num_inference_steps=4, guidance_scale=3.5, max_sequence_length=32,
         output_type="pt", generator=torch.Generator().manual_seed(0)).images
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_wan_bf16_evaluates_in_one_process(pipelines):
+    """Issue 43: diffusers keeps Wan's scale_shift_table, norms and time embedder in fp32 (_keep_in_fp32_modules), so
+    the transformer's first parameter is fp32 while its patch embedding is bf16; evaluation runs without autocast
+    and casting the inputs to the first parameter's dtype crashed ("Input type (float) and bias type
+    (c10::BFloat16) should be the same"). The inputs take the compute dtype, diffusers' ModelMixin.dtype rule.
+    (Full fine-tuning keeps fp32 master weights: model.dtype=bfloat16 is refused there, nothing to cast.)"""
+    pol = policy(pipelines["wan"], "model.sample_size=4", "model.num_frames=5", "model.dtype=bfloat16",
+                 "model.lora.enabled=true", "model.lora.rank=4", "sampler.eval_steps=2", "sampler.eval_cfg_scale=2.0")
+    tr = pol.transformer
+    assert next(tr.parameters()).dtype == torch.float32 and tr.patch_embedding.weight.dtype == torch.bfloat16
+    assert compute_dtype(tr) == torch.bfloat16
+    videos = pol.evaluate(PROMPTS, seed=7)                                               # [2, 3, F, H, W]
+    assert videos.shape == (2, 3, 5, 32, 32) and torch.isfinite(videos).all() and videos.abs().max() <= 1
+    assert torch.equal(pol.evaluate(PROMPTS, seed=7), videos)

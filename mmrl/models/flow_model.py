@@ -131,9 +131,25 @@ class FlowModel:
         return out + unused  # differentiable
 
     def _expert(self, transformer, x, sigma, enc, pooled):
-        dtype = next(transformer.parameters()).dtype
-        out = self.call(transformer, x.to(dtype), sigma.to(dtype), enc.to(dtype), pooled.to(dtype))
+        # sigma stays fp32, as diffusers pipelines pass their timesteps: each model casts its time embedding itself,
+        # and bf16 would round Wan's t = 1000 * sigma (937.5 -> 936)
+        dtype = compute_dtype(transformer)
+        out = self.call(transformer, x.to(dtype), sigma, enc.to(dtype), pooled.to(dtype))
         return velocity_from_prediction(out.float(), x, sigma, self.prediction)
+
+
+def compute_dtype(transformer: torch.nn.Module) -> torch.dtype:
+    """The dtype a transformer computes in, which its inputs take: diffusers' rule (ModelMixin.dtype, what its own
+    pipelines cast latents to), the first floating parameter outside `_keep_in_fp32_modules`. Not simply the first
+    parameter: diffusers keeps Wan's scale_shift_table (its first), norms and time embedder in fp32 in a bf16 model,
+    and fp32 inputs then meet the bf16 patch embedding wherever no autocast runs (evaluation). A DDP wrapper is
+    looked through (its parameter names gain a `module.` prefix, the kept names still match)."""
+    inner = getattr(transformer, "module", transformer)
+    keep = getattr(inner, "_keep_in_fp32_modules", None) or ()
+    for name, p in inner.named_parameters():
+        if p.is_floating_point() and not any(k in name for k in keep):
+            return p.dtype
+    return next(transformer.parameters()).dtype
 
 
 EXPERTS = ("transformer", "transformer_2")  # the trained networks a FlowModel may have (Wan2.2: two experts)
