@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from mmrl.cache import BoundedCache
-from mmrl.errors import ConfigError
+from mmrl.errors import ConfigError, UserError
 
 BACKENDS = ("decord", "torchcodec")
 _last_error = threading.local()
 
 
-class VideoError(RuntimeError):
-    """A video that cannot be read; the message names the file and the fix."""
+class VideoError(UserError, RuntimeError):
+    """A video of the user's data that cannot be read; the message names the file and the fix."""
 
 
 @dataclass(frozen=True)

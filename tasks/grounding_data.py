@@ -31,8 +31,8 @@ SKIPPED: dict[str, int] = {}
 VIDEO_EXTENSIONS = (".mp4", ".mkv", ".webm", ".avi", ".mov")
 
 
-class DatasetError(ValueError):
-    pass
+class DatasetError(ConfigError):
+    """A malformed record of the user's dataset file (path:line in the message); a ValueError, as before."""
 
 
 class _Errors:
