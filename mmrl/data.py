@@ -106,6 +106,18 @@ def group_ids(batch_size: int, group_size: int) -> torch.Tensor:
     return torch.arange(batch_size).repeat_interleave(group_size)
 
 
+def stratified_minibatches(group_id: torch.Tensor, minibatches: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """The rows [n_m] of each of `minibatches` minibatches of one epoch, stratified by group: the rows are laid out
+    group after group (by group id; a group's rows in a seeded random order) and dealt round-robin, so every
+    minibatch takes G / minibatches rows of every group (+-1) and minibatch sizes differ by one row at most.
+    Why: ranks hold whole groups, so a rank holds the same share of every minibatch (in proportion to its groups)
+    and no rank waits for another at a gradient sync; the split depends only on the group ids and the seed, not on
+    the world size, so N processes train the single process's minibatches. group_id: [N] (single-process order)."""
+    order = torch.randperm(len(group_id), generator=generator)                            # [N] a seeded shuffle
+    order = order[torch.sort(group_id[order], stable=True).indices]                       # [N] grouped by id
+    return [order[m::minibatches] for m in range(minibatches)]
+
+
 def micro_batches(action_mask: torch.Tensor, idx: torch.Tensor, size: int, per_action: bool):
     """(rows [n'], actions [n', A] bool or None) parts of minibatch `idx` with at most `size` rows per training
     forward (0 = the whole minibatch): transitions when the policy scores actions independently (`per_action`,

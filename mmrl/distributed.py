@@ -133,19 +133,31 @@ class Distributed:
         return range(n * self.data_rank // self.data_world, n * (self.data_rank + 1) // self.data_world)
 
     # ------------------------------------------------------------------------------------------ sampling
-    def sample(self, policy, examples: list[dict], group_size: int, gen: torch.Generator, first_group: int = 0):
-        """One group per example; with several processes, this rank's whole groups (a contiguous share of the
-        examples). Group ids are global: example i of this call is group `first_group + i`. Policies that sample by
-        row draw every row's noise from its global row index (`rows`), so a row is the same on any rank. Under FSDP
-        every forward is a collective, so a rank with fewer groups samples copies of one of its groups (dropped
-        afterwards) until every rank samples as many: the same number of forwards everywhere."""
-        share = list(self.share(len(examples)))
+    def sample(self, policy, examples: list[dict], group_size: int, gen: torch.Generator, first_group: int = 0,
+               batch: int | None = None):
+        """One group per example; with several processes, this rank's whole groups (a contiguous share). Group ids
+        are global: example i of this call is group `first_group + i`. batch: the size of the whole batch whose groups
+        first_group, first_group + 1, ... this call samples (reward.overlap_chunks samples a batch in chunks): a rank
+        samples the groups its share of the whole batch holds, so chunking never moves a group to another rank; None:
+        the call is the whole batch. Policies that sample by row draw every row's noise from its row index (`rows`),
+        so a row is the same on any rank. Under FSDP every forward is a collective, so a rank with fewer groups
+        samples copies of one of its groups (dropped afterwards) until every rank samples as many: the same number of
+        forwards everywhere. A rank without a group of this call (a dynamic-sampling refill of fewer groups than
+        ranks, a small chunk) still samples one copy and returns one row of it with group id -1 (never scored,
+        trained or counted): the collective count stays equal, and the rank keeps a row for its padding passes."""
         if self.data_world == 1:  # one process, or every rank in one cp group: all rows, as one process samples them
             ro = policy.sample(examples, group_size, gen)
             ro.group_id = ro.group_id + first_group
             return ro
-        pad = -(-len(examples) // self.data_world) - len(share) if self.parallel == "fsdp" else 0
-        pad = max(pad, 0 if share else 1)  # a rank without a group of this call still samples one (dropped)
+        base, whole = (0, len(examples)) if batch is None else (first_group, batch)
+
+        def held(r: int) -> list[int]:  # the examples of this call in data rank r's share of the whole batch
+            lo, hi = whole * r // self.data_world - base, whole * (r + 1) // self.data_world - base
+            return list(range(max(lo, 0), min(hi, len(examples))))
+
+        share = held(self.data_rank)
+        most = max(len(held(r)) for r in range(self.data_world)) if self.parallel == "fsdp" else 0
+        pad = max(most - len(share), 0 if share else 1)  # a rank without a group of this call still samples one
         groups = share + [share[-1] if share else 0] * pad
         if policy.samples_rows:
             rows = torch.tensor([g * group_size + j for g in groups for j in range(group_size)], dtype=torch.long)
@@ -153,6 +165,10 @@ class Distributed:
         else:
             ro = policy.sample([examples[i] for i in groups], group_size, gen)
             ro.group_id = torch.tensor(groups, dtype=torch.long)[ro.group_id]
+        if not share:  # one row of the padding copy, group id -1
+            ro = ro.select(torch.tensor([0]))
+            ro.group_id = torch.full((1,), -1, dtype=torch.long)
+            return ro
         if pad:  # the first G rows of each of this rank's groups; later rows of a group are padding copies
             mine, taken, keep = set(share), {}, []
             for i, g in enumerate(ro.group_id.tolist()):

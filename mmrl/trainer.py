@@ -26,7 +26,7 @@ from mmrl.algorithms import ADVANTAGES, CREDIT_ASSIGNMENTS, REWARD_SHAPINGS
 from mmrl.algorithms.objective import Batch, build_objective
 from mmrl.algorithms.offpolicy import injection_diagnostics
 from mmrl.config import Config, sample_chunk
-from mmrl.data import Rollout, micro_batches
+from mmrl.data import Rollout, micro_batches, stratified_minibatches
 from mmrl.distributed import Distributed, check_parallel_config, full
 from mmrl.errors import ConfigError
 from mmrl.evaluation import EVAL_SEED, evaluate_outputs
@@ -143,11 +143,14 @@ class Trainer:
         metrics.update({f"reward/{k}_weight": w for k, w in (weights or {}).items()})
         shaping, extra = REWARD_SHAPINGS[a.reward_shaping], ()
         if getattr(shaping, "needs_contrast", False):  # e.g. T-GRPO: the same prompts with shuffled frames
-            sample = lambda ex, g: self.policy.sample(ex, g, torch.Generator().manual_seed(seed + 1))  # noqa: E731
-            real = rollout.select((rollout.group_id >= 0).nonzero().squeeze(-1))  # this rank's whole groups
-            (_, c_reward, c_gid), stats = contrast_rollout(sample, self.reward, real, t.group_size, seed)
+            def sample(examples, group_size):  # this rank's share of every rank's prompts, padded to equal forwards
+                with self.timer("rollout"), self.dist.autocast(t.mixed_precision, self.policy):
+                    return self.dist.sample(self.policy, examples, group_size, torch.Generator().manual_seed(seed + 1))
+
+            (c_reward, c_gid), stats = contrast_rollout(sample, self.reward, rollout, t.group_size, seed,
+                                                        self.dist.gather_list)
             extra = (self.dist.gather(c_reward), self.dist.gather(c_gid))
-            metrics.update(self.dist.mean_stats({k: [(v * len(c_reward), len(c_reward))] for k, v in stats.items()}))
+            metrics.update(self.dist.mean_stats(stats))
         local = rollout
         if self.dist.world > 1:  # advantages need whole groups: every rank sees every row's reward, in order
             rollout, rewards, valid, rows = self.dist.gather_rows(
@@ -166,36 +169,39 @@ class Trainer:
         metrics.update(adv_stats)
         metrics.update(injection_diagnostics(shaped, rollout.group_id, valid, rollout.is_offpolicy, adv_fn))
         metrics.update(per_category(rollout.examples, rewards["overall"], valid))
-        overall, row_actions = rewards["overall"], rollout.action_mask.sum(-1)  # [N] the loss normalization
+        overall, row_actions, groups = rewards["overall"], rollout.action_mask.sum(-1), rollout.group_id  # [N]
         if self.dist.world > 1:  # back to this rank's rows (a padding row, group id -1, has none: zero advantage)
             rollout, adv, overall = self.dist.local_rows(local, rollout, rows, adv, overall)
         else:
             rows = torch.arange(len(rollout))
         with self.timer("train"):
-            metrics.update(self.optimize(rollout, adv, rows, row_actions))
+            metrics.update(self.optimize(rollout, adv, rows, row_actions, groups))
         metrics.update(self.timer.pop())
         if cfg.log.image_every and it % cfg.log.image_every == 0:  # rank 0's rows
             self.logger.samples(it, rollout.outputs, rollout.examples, overall, t.group_size)
         return metrics
 
     def optimize(self, rollout: Rollout, adv: torch.Tensor, rows: torch.Tensor | None = None,
-                 row_actions: torch.Tensor | None = None) -> dict:
+                 row_actions: torch.Tensor | None = None, groups: torch.Tensor | None = None) -> dict:
         """rows [n]: the positions of this rank's rows in the single-process order; row_actions [N]: trained actions
-        of every row (all ranks); one process: the rollout's rows and their action counts. Minibatches are chunks of one global permutation; each rank trains its rows of
-        them, normalized by the whole step's counts (x world, as DDP / FSDP average the gradients over ranks).
-        Every rank runs as many forward / backward passes as the rank that needs the most (zero-weight padding),
-        and gradients are synchronized only by the last backward of an optimizer step."""
+        of every row (all ranks); groups [N]: every row's group id; one process: the rollout's rows, their action
+        counts and group ids. Minibatches are stratified by group (`stratified_minibatches`: every minibatch takes
+        G / minibatches rows of each group, so a rank holds the same share of every minibatch); each rank trains its
+        rows of them, normalized by the whole step's counts (x world, as DDP / FSDP average the gradients over
+        ranks). Every rank runs as many forward / backward passes as the rank that needs the most (zero-weight
+        padding passes of one micro-batch), and gradients are synchronized only by the last backward of a step."""
         cfg, t, w = self.cfg, self.cfg.train, self.dist.world
         if rows is None:
-            rows, row_actions = torch.arange(len(rollout)), rollout.action_mask.sum(-1)
+            rows, row_actions, groups = torch.arange(len(rollout)), rollout.action_mask.sum(-1), rollout.group_id
         n_total = len(row_actions)
         local = torch.full((n_total,), -1, dtype=torch.long)
         local[rows] = torch.arange(len(rows))                    # single-process position -> this rank's row
         stats: dict[str, list] = {}
         ratios, steps = [], 0
+        pad = next(micro_batches(rollout.action_mask, torch.tensor([0]), t.micro_batch, self.policy.scores_actions))
         for epoch in range(t.inner_epochs):
-            perm = torch.randperm(n_total, generator=torch.Generator().manual_seed(t.seed + 7919 * epoch + self.iteration))
-            chunks = perm.tensor_split(t.minibatches)  # minibatches (uneven when N is not divisible)
+            gen = torch.Generator().manual_seed(t.seed + 7919 * epoch + self.iteration)
+            chunks = stratified_minibatches(groups, t.minibatches, gen)  # [n_m] rows of each minibatch
             for m in tqdm(range(t.minibatches), desc=f"train epoch {epoch}", leave=False,
                           disable=not cfg.log.progress or t.minibatches == 1 or not self.dist.main):
                 mine = local[chunks[m]]
@@ -211,8 +217,9 @@ class Trainer:
                 syncs = (m + 1) % t.grad_accum == 0
                 loss = 0.0
                 for j in range(passes):
-                    # a rank with fewer passes runs zero-weighted ones on its first row
-                    part, actions, weight = (*parts[j], 1.0) if j < len(parts) else (torch.tensor([0]), None, 0.0)
+                    # a rank with fewer passes runs zero-weighted ones: one micro-batch of its first row (its first
+                    # micro_batch trained actions, not all of them: a padding pass costs what a real one does)
+                    part, actions, weight = (*parts[j], 1.0) if j < len(parts) else (*pad, 0.0)
                     with self.dist.no_sync(not (syncs and j == passes - 1)):
                         loss += self._accumulate(rollout, part, actions, adv, n_step, a_step, weight, steps, stats,
                                                  ratios)

@@ -93,13 +93,33 @@ def test_token_policy_ends_where_one_process_ends(tiny_vl, tiny_world, tmp_path)
         assert d < 1e-5, f"{mode}: {d}"
 
 
+def test_tgrpo_contrast_under_fsdp_with_micro_batches_ends_where_one_process_ends(tiny_vl, tiny_world, tmp_path):
+    """T-GRPO's shuffled-frame contrast rollout under FSDP2 with train.micro_batch (one prompt per decoding chunk):
+    3 prompts on 2 ranks (1 group against 2), so without equal-work padding the ranks decode different numbers of
+    chunks and FSDP's all-gathers deadlock. Every rank samples its share of every rank's prompts, padded: 2
+    iterations end with the single-process parameters. The threshold (16 characters of the worker's length reward)
+    splits the samples, so the contrast rewards decide which groups get the bonus (the test's numbers depend on
+    them); 1e-5 as for the token policy above (prompts padded differently in smaller batches)."""
+    opts = ["--world", tiny_world, "--set", "reward.name=dist_train:completion_length", "reward.kwargs={}",
+            "algo.reward_shaping=tgrpo", "algo.tgrpo_threshold=16", "train.micro_batch=2", "train.prompts_per_iter=3",
+            "train.group_size=4"]
+    one = run(tiny_vl, str(tmp_path / "one" / "vl.safetensors"), "--parallel", "none", "--steps", "2", *opts)
+    assert one.returncode == 0, one.stderr[-3000:]
+    r = run(tiny_vl, str(tmp_path / "fsdp" / "vl.safetensors"), "--parallel", "fsdp", "--steps", "2", *opts, procs=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "world 2" in r.stdout
+    d = max_diff(tmp_path / "one" / "vl.safetensors", tmp_path / "fsdp" / "vl.safetensors")
+    print(f"T-GRPO token policy, fsdp + micro-batch: max abs difference from one process {d:.2e}")
+    assert d < 1e-5, f"fsdp: {d}"
+
+
 def test_ranks_that_drift_apart_are_caught(tiny_pixel_model, tmp_path):
     r = run(tiny_pixel_model, str(tmp_path / "x.safetensors"), "--parallel", "ddp", "--steps", "1", "--desync", procs=2)
     assert r.returncode != 0 and "ranks are out of sync" in r.stdout
 
 
 MATRIX = os.path.join(ROOT, "tests/workers/dist_matrix.py")
-FEATURES = "plain,micro,tree,tree_pruned,dynamic,workers,pairwise,nft,awm,flash,ema_kl,lora,all_tree,all_chain"
+FEATURES = "plain,micro,tree,tree_pruned,dynamic,refill,workers,pairwise,nft,awm,flash,ema_kl,lora,all_tree,all_chain"
 
 
 def run_matrix(model, out, parallel, features=FEATURES, procs=2, *extra):
@@ -119,7 +139,8 @@ def max_diff(a: str, b: str) -> float:
 
 def test_every_feature_ends_where_one_process_ends(tiny_pixel_model, tmp_path):
     """Each feature set of tests/workers/dist_matrix.py (micro-batches, BranchGRPO trees with pruning, DAPO dynamic
-    sampling, reward overlap workers, Pref-GRPO pairwise rewards, NFT, AWM, MixGRPO-Flash, EMA + KL to the EMA,
+    sampling with refill rounds of fewer groups than ranks (alone, and with reward overlap workers and
+    micro-batches), reward overlap workers, Pref-GRPO pairwise rewards, NFT, AWM, MixGRPO-Flash, EMA + KL to the EMA,
     LoRA, and all of them at once) trains 2 iterations of 3 prompts x 4 samples (a rank holds 1 group, the other
     2): DDP and FSDP2 on 2 processes end with the single-process parameters (fp32; 1e-6 allows reduction order)."""
     run_matrix(tiny_pixel_model, tmp_path / "none", "none", procs=1)

@@ -33,21 +33,25 @@ class Collector:
         to dynamic_sampling_tries extra rounds (zero-std groups fill what is still missing, so the batch always
         holds B groups). The choice is made from every rank's groups in the single-process order, so every rank
         takes the same decision; a rank left without a chosen group keeps one padding row (group id -1, never
-        trained, never counted)."""
+        trained, never counted). A round of fewer groups than ranks (a refill) leaves some ranks without a group:
+        they sample a padding copy all the same (Distributed.sample), so every rank runs the same forwards."""
         t, a = self.cfg.train, self.cfg.algo
         rounds = 1 + (a.dynamic_sampling_tries if a.dynamic_sampling else 0)
-        good, spare, parts, failures = [], [], {}, 0
+        good, spare, parts, failures, pad = [], [], {}, 0, None
         for r in range(rounds):
             need = t.prompts_per_iter - len(good)
             if need <= 0:
                 break
             rollout, rewards, valid, fails = self.sample_and_score(self.task.sample(need, rng), gen)
             failures += fails
+            pad = (rollout, rewards, valid)  # a row for padding when this rank keeps no group
             if not a.dynamic_sampling:
                 return rollout, rewards, valid, {"reward/failed_samples": self.total(fails)}
             _, std, _ = group_stats(rewards["overall"], rollout.group_id, valid)
             mine = []
             for g in torch.unique(rollout.group_id).tolist():
+                if g < 0:  # this rank's padding row (no group of this round)
+                    continue
                 rows = (rollout.group_id == g).nonzero().squeeze(-1)
                 parts[(r, g)] = (rollout.select(rows), {k: v[rows] for k, v in rewards.items()}, valid[rows])
                 mine.append((g, bool(std[rows].max() > 1e-8)))
@@ -56,7 +60,7 @@ class Collector:
         n_good = len(good)
         chosen = [(k, parts[key]) for k, key in enumerate((good + spare)[:t.prompts_per_iter]) if key in parts]
         if not chosen:  # padding: one row of this rank's last sample, masked out
-            ro, rw, v = parts[max(parts)]
+            ro, rw, v = pad
             chosen = [(-1, (ro.select(torch.tensor([0])), {k: x[:1] for k, x in rw.items()}, v[:1] & False))]
         rollout = Rollout.concat([p[0] for _, p in chosen])
         rollout.group_id = torch.cat([torch.full((len(p[0]),), k) for k, p in chosen])   # global ids
@@ -73,16 +77,24 @@ class Collector:
         """Sample a group per example and score it (this rank's groups; group ids are the examples' indices).
         With reward.workers > 0 the examples are sampled in reward.overlap_chunks chunks, and each chunk is scored
         in the thread pool while the next one samples (a remote reward then runs fully in parallel); the chunks
-        are joined in order, each sharded over the ranks like a whole batch."""
+        are joined in order, and a rank samples the groups of each chunk that its share of the whole batch holds.
+        A rank without a group here gets back one padding row (group id -1, reward 0, invalid), never scored."""
         a, r = self.cfg.algo, self.cfg.reward
 
         def sample(chunk, first_group):  # sampling computes like the training forward (bf16 under mixed precision)
             with self.timer("rollout"), self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
-                rollout = self.dist.sample(self.policy, chunk, self.cfg.train.group_size, gen, first_group)
+                rollout = self.dist.sample(self.policy, chunk, self.cfg.train.group_size, gen, first_group,
+                                           len(examples))
+                # a padding row too: an injection's scoring forward is a collective under FSDP
                 return OFFPOLICY[a.offpolicy](self.policy, rollout, self.task)[0]
+
+        def padding(ro):  # (rollout, rewards, valid, failures) of a rank without a group: its padding row
+            return ro, {"overall": torch.zeros(len(ro))}, torch.zeros(len(ro), dtype=torch.bool), 0
 
         if self.reward_pool is None:
             rollout = sample(examples, 0)
+            if not len(real_rows(rollout)):
+                return padding(rollout)
             with self.timer("reward"):
                 return (rollout, *self.reward(rollout.outputs, rollout.examples, rollout.group_id))
         k = min(r.overlap_chunks, len(examples))
@@ -90,13 +102,22 @@ class Collector:
         parts = []
         for c in range(k):
             ro = sample(examples[bounds[c]:bounds[c + 1]], bounds[c])
-            parts.append((ro, self.reward_pool.submit(self.reward, ro.outputs, ro.examples, ro.group_id)))
+            real = len(real_rows(ro))  # a chunk without a group of this rank: nothing to score
+            parts.append((ro, self.reward_pool.submit(self.reward, ro.outputs, ro.examples, ro.group_id) if real
+                          else None))
         with self.timer("reward_wait"):  # the reward time not hidden behind sampling
-            scored = [(ro, f.result()) for ro, f in parts if len(ro)]
+            scored = [(ro, f.result()) for ro, f in parts if f is not None]
+        if not scored:
+            return padding(parts[-1][0])
         rollout = Rollout.concat([ro for ro, _ in scored])
         rollout.group_id = torch.cat([ro.group_id for ro, _ in scored])  # global ids, not renumbered
         rewards = join_rewards([s[0] for _, s in scored])
         return rollout, rewards, torch.cat([s[1] for _, s in scored]), sum(s[2] for _, s in scored)
+
+
+def real_rows(rollout: Rollout) -> torch.Tensor:
+    """[n] the rows of `rollout` that belong to a group (a padding row has group id -1)."""
+    return (rollout.group_id >= 0).nonzero().squeeze(-1)
 
 
 def join_rewards(parts: list[dict]) -> dict[str, torch.Tensor]:

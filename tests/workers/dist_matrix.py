@@ -19,6 +19,21 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+class RefillReward:
+    """A reward that makes DAPO dynamic sampling refill with fewer groups than ranks: every group of a round scores
+    its images' mean brightness (spread within the group: informative) but the round's group 0, which scores 0.5
+    (zero std). A round of 3 groups keeps 2, and each refill round asks for 1 group, which only one of 2 ranks holds:
+    the other samples a padding copy."""
+
+    needs_groups = True  # the reward runner passes the round's group ids
+
+    def __call__(self, outputs, examples, group_id):  # outputs [n, 3, H, W], group_id [n]
+        score = outputs.float().flatten(1).mean(1)                              # [n]
+        return {"overall": torch.where(group_id == 0, torch.full_like(score, 0.5), score)}
+
+
+REFILL = ["algo.dynamic_sampling=true", "algo.dynamic_sampling_tries=2", "reward.name=dist_matrix:RefillReward",
+          "reward.kwargs={}", "reward.eval_name=shapes"]
 PAIRWISE = ["reward.name=pairwise", "reward.kwargs={judge: score, judge_kwargs: {reward: shapes}}",
             "reward.eval_name=shapes"]
 FEATURES = {
@@ -26,7 +41,9 @@ FEATURES = {
     "micro": ["train.micro_batch=2"],                                     # transitions per training forward
     "tree": ["tree.split_steps=[1,2]", "tree.branch=2", "algo.loss_agg=token_mean"],  # BranchGRPO: 4 leaves
     "tree_pruned": ["tree.split_steps=[1,2]", "tree.branch=2", "tree.width_prune=1", "algo.loss_agg=token_mean"],
-    "dynamic": ["algo.dynamic_sampling=true", "algo.dynamic_sampling_tries=2"],
+    "dynamic": REFILL,                                                    # refill rounds of 1 group on 2 ranks
+    # the same with reward overlap workers (a chunk of 1 group: one rank has none) and micro-batches
+    "refill": [*REFILL, "reward.workers=1", "reward.overlap_chunks=2", "train.micro_batch=2"],
     "workers": ["reward.workers=1", "reward.overlap_chunks=2"],
     "pairwise": PAIRWISE,
     "nft": ["algo.policy_loss=nft", "sampler.kind=ode"],
