@@ -210,6 +210,8 @@ class TrainConfig:
                                   # VAE decoding and old log-probs. 0 = a whole minibatch / rollout at once
     sample_chunk: int = -1        # rows per forward without gradients (sampling, VAE decoding, old log-probs,
                                   # reward scoring, evaluation); -1 = train.micro_batch, 0 = all at once
+    dist_timeout_min: float = 30.0  # several processes: minutes a collective waits for the slowest rank before the
+                                  # job fails (NCCL's own default, 10, can trip during a slow judge's evaluation)
     ratio_warn: float = 0.05      # warn when the first pass's mean |ratio - 1| (rollout vs trainer log-probs under the
                                   # same weights, logged as train/first_ratio_dev) exceeds this; 0 = never
 
@@ -286,6 +288,9 @@ class Config:
         if t.context_parallel > 1 and policy_kind(self.model.policy) != "flow":
             raise ConfigError("train.context_parallel splits a flow transformer's video tokens; token policies: set "
                               "train.context_parallel=1")
+        if t.dist_timeout_min <= 0:
+            raise ConfigError(f"train.dist_timeout_min must be > 0 minutes (how long a collective waits for the slowest "
+                              f"rank), got {t.dist_timeout_min}")
         if t.group_size < 2:
             raise ConfigError(f"train.group_size={t.group_size}: group-relative advantages need >= 2 samples per group")
         for k in ("iterations", "prompts_per_iter", "inner_epochs", "minibatches", "grad_accum"):

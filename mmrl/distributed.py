@@ -11,11 +11,11 @@ whatever needs a group (advantages' statistics, pairwise tournaments, trees, con
 rank. A row's noise is seeded by its global index, so the rows are the ones a single process samples. Rewards
 are scored where the rows are, then all-gathered with their global group ids and put in the single-process
 order: advantages and decisions (dynamic sampling) are computed from the same numbers on every rank.
-Minibatches are the single-process minibatches (one global permutation), each rank training its rows of them;
-losses are normalized by the global counts, and gradients are averaged across ranks by DDP or FSDP2
-(`fully_shard`). Every rank runs the same number of forwards and backwards (the most any rank needs, padded with
-zero-weight passes), and gradients are synchronized only at the last backward of an optimizer step (`no_sync` /
-`set_requires_gradient_sync(False)`).
+Minibatches are the single-process minibatches (stratified by group: a rank holds the same share of each), each
+rank training its rows of them; losses are normalized by the global counts, and gradients are averaged across
+ranks by DDP or FSDP2 (`fully_shard`). Every rank runs the same number of forwards and backwards (the most any rank
+needs, padded with zero-weight passes of one micro-batch), and gradients are synchronized only at the last backward
+of an optimizer step (`no_sync` / `set_requires_gradient_sync(False)`).
 
 Collectives. Tensors of the trained networks travel on the device group (`self.group`: NCCL on GPUs, gloo on CPU)
 on the process's device. Bookkeeping (rewards, group ids, statistics, decisions, checksums) travels on an
@@ -27,6 +27,7 @@ group without a CPU backend, as NCCL is).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 
@@ -36,7 +37,6 @@ import torch.distributed as dist
 from mmrl.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
 
 
 def launched() -> bool:
@@ -84,7 +84,8 @@ class Distributed:
     """rank / world / device of this process, its groups, and the collectives the trainer needs. world == 1:
     every method is a no-op (or the identity)."""
 
-    def __init__(self, parallel: str = "none", context_parallel: int = 1, cp_kind: str = "ulysses"):
+    def __init__(self, parallel: str = "none", context_parallel: int = 1, cp_kind: str = "ulysses",
+                 timeout_min: float = 30.0):
         self.parallel = parallel
         self.rank, self.world = 0, 1
         self.cp, self.cp_kind, self.mesh = context_parallel, cp_kind, None
@@ -95,12 +96,13 @@ class Distributed:
             from accelerate import PartialState
 
             cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
-            state = PartialState(cpu=cpu)
+            timeout = datetime.timedelta(minutes=timeout_min)  # train.dist_timeout_min (a group made earlier keeps its own)
+            state = PartialState(cpu=cpu, timeout=timeout)
             if not dist.is_initialized() or dist.get_world_size() != int(os.environ["WORLD_SIZE"]):
                 raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but no process group of that size: launch "
                                    f"with torchrun or `accelerate launch --multi_gpu` (on CPU set ACCELERATE_USE_CPU=true)")
             self.rank, self.world, self.device = dist.get_rank(), dist.get_world_size(), state.device
-            self.cpu_group = dist.new_group(backend="gloo")  # bookkeeping and object traffic
+            self.cpu_group = dist.new_group(backend="gloo", timeout=timeout)  # bookkeeping and object traffic
             # the trained networks' collectives: the default group when it serves this device (NCCL on GPUs, gloo
             # on CPU); else (a default group without a CPU backend while training on CPU, as in the tests) gloo
             self.group = None if _serves(self.device) else self.cpu_group
@@ -220,6 +222,18 @@ class Distributed:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return bool(t.item())
 
+    def decide(self, elapsed_min: float, stop: bool) -> tuple[float, bool]:
+        """One decision for every rank at an iteration boundary, in one collective: rank 0's clock (the minutes
+        every time-based choice reads: time budget, timed evaluations, lr cooldown) and whether any rank was asked
+        to stop (a signal). Ranks start and run at different speeds; deciding from each rank's own clock would send
+        them down different branches (one evaluates or stops while another trains on: a hang, or weights that
+        drift apart)."""
+        if self.world == 1:
+            return elapsed_min, stop
+        t = torch.tensor([elapsed_min if self.main else 0.0, float(stop)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return float(t[0]), bool(t[1])
+
     def gather_rows(self, rollout, rewards: dict, valid: torch.Tensor, extras: tuple[str, ...] = ()):
         """Every rank's rows in the single-process order (by global group id; a group's rows stay in order), as
         credit assignment and the reward metrics read them, in one exchange: a Rollout of group ids, old log-probs,
@@ -295,8 +309,10 @@ class Distributed:
         sums = torch.stack(self.gather_list([v], every_rank=True))          # [world, 2]
         bad = [r for r in range(self.world) if not torch.allclose(sums[r], sums[0], rtol=1e-9, atol=1e-9)]
         if bad:
-            raise RuntimeError(f"ranks are out of sync: {what} differ from rank 0's on rank(s) {bad}. Gradients are "
-                               f"not being averaged: check train.parallel and the launcher")
+            raise RuntimeError(f"ranks are out of sync: {what} differ from rank 0's on rank(s) {bad}. Either gradients "
+                               f"are not averaged (check train.parallel and the launcher: a plain Accelerator() on a "
+                               f"machine without GPUs runs each process alone) or the ranks took different steps "
+                               f"(learning rates, skipped updates): that is a bug in mmrl, please report it")
 
     # -------------------------------------------------------------------------- the trained networks
     def wrap(self, module: torch.nn.Module, mixed_precision: str = "no") -> torch.nn.Module:

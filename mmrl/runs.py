@@ -19,6 +19,7 @@ import shutil
 from mmrl.checkpoint import checkpoints, latest
 from mmrl.config import Config, to_dict
 from mmrl.errors import UserError
+from mmrl.preemption import restarted
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     against the saved one) or `overwrite` (delete it); mmrl/runs.py. Nothing is written before those checks."""
     from mmrl.trainer import Trainer
 
+    if restarted():  # torchrun --max-restarts brought the workers back: continue the run (--overwrite was for the
+        # first start: the run it began is the one to continue)
+        log.warning("torchrun restart %d: resuming from the newest intact checkpoint in %s", restarted(),
+                    cfg.log.out_dir)
+        resume, overwrite = resume or holds_run(cfg.log.out_dir), False
     prepare_run_dir(cfg, resume, overwrite, main=int(os.environ.get("RANK", "0")) == 0)
     trainer = Trainer(cfg)
     if resume and not trainer.resume():

@@ -34,6 +34,7 @@ from mmrl.metrics import Logger, SignalWatch, Timer, per_category, perf
 from mmrl.rollout.collect import Collector
 from mmrl.rollout.contrast import contrast_rollout
 from mmrl.optim import EMA, lr_scale
+from mmrl.preemption import Preempted, StopRequests
 from mmrl.reward import MultiReward, RewardRunner
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,9 @@ class Trainer:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         check_parallel_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any weight loads
-        self.dist = Distributed(cfg.train.parallel, cfg.train.context_parallel, cfg.train.cp_kind)
+        self.dist = Distributed(cfg.train.parallel, cfg.train.context_parallel, cfg.train.cp_kind,
+                                cfg.train.dist_timeout_min)
+        ckpt.check_shared_run_dir(cfg.log.out_dir, self.dist)  # several nodes: one run folder they all see
         torch.manual_seed(cfg.train.seed)  # the same initial weights (and LoRA init) on every rank
         self.policy = compose.build_policy(cfg, self.dist)  # under FSDP: loaded into shards by parallelize
         self.objective = build_objective(cfg.algo)  # what each training pass minimizes (its terms)
@@ -73,6 +76,7 @@ class Trainer:
         self.watch = SignalWatch(cfg.reward, cfg.task.name, cfg.train.zero_signal_patience)
         self.timed_evals: list[dict] = []
         self.eval_start: dict | None = None  # the base model's held-out figures (kept across a resume)
+        self.saved_at, self.saved_path = -1, None  # the iteration of this process's last save, and its folder
         self.elapsed_min = 0.0  # training minutes so far (saved: a resumed run keeps its budget and lr schedule)
         # One optimizer step per epoch: every row's first forward runs under the sampling weights, so the rollout's
         # old log-probs are that forward's (detached) values; policies that must pay a forward for them skip it.
@@ -84,42 +88,52 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ the loop
     def fit(self) -> dict:
+        """Train to train.iterations (or the time budget); returns the results also written to results.json.
+        Every branch taken from a clock or a signal is decided once per iteration for all ranks
+        (`Distributed.decide`): rank 0's minutes, and a stop when any rank was signalled (mmrl/preemption.py)."""
         cfg, t = self.cfg, self.cfg.train
         results = {}
-        if cfg.log.eval_at_start and self.iteration == 0:
-            self.eval_start = self.evaluate(0)
-        if self.eval_start is not None:
-            results["eval_start"] = self.eval_start
-        t_start = time.time() - 60 * self.elapsed_min  # a resumed run continues its time budget
-        bar = tqdm(range(self.iteration, t.iterations), desc="train", disable=not cfg.log.progress,
-                   initial=self.iteration, total=t.iterations)
-        for it in bar:
-            self.iteration = it
-            lr = t.lr * lr_scale(it, t.iterations, self.elapsed_min, t.time_budget_min, t.lr_warmup, t.lr_cooldown)
-            for g in self.opt.param_groups:
-                g["lr"] = lr
-            t_it = time.time()
-            metrics = {**self.step(it), "train/lr": lr, **perf(t, time.time() - t_it)}
-            self.iteration = it + 1
-            self.elapsed_min = (time.time() - t_start) / 60
-            bar.set_postfix(reward=f"{metrics['reward/overall_mean']:.3f}")
-            self.logger.scalars(it, metrics)
-            if not cfg.log.progress and self.dist.main:  # no bars (a log file): one line per iteration
-                log.info("iteration %d/%d: reward %.4f, loss %.4g, %.1f s (%.1f min in all)", it + 1, t.iterations,
-                         metrics["reward/overall_mean"], metrics.get("train/loss", 0.0), metrics["perf/iteration_s"],
-                         self.elapsed_min)
-            out_of_time = t.time_budget_min > 0 and self.elapsed_min >= t.time_budget_min
-            last = self.iteration == t.iterations or out_of_time
-            timed = cfg.log.eval_every_min and self.elapsed_min >= cfg.log.eval_every_min * (1 + len(self.timed_evals))
-            if (cfg.log.eval_every and self.iteration % cfg.log.eval_every == 0 or timed) and not last:
-                res = self.evaluate(self.iteration)
-                if timed:
-                    self.timed_evals.append({"minutes": self.elapsed_min, "iteration": self.iteration, **res})
-            if self.iteration % cfg.log.save_every == 0 or last:
-                self.save()
-            if out_of_time:
-                log.warning("train.time_budget_min=%s reached after %d iterations", t.time_budget_min, self.iteration)
-                break
+        with StopRequests() as stop:
+            if cfg.log.eval_at_start and self.iteration == 0:
+                self.eval_start = self.evaluate(0)
+            if self.eval_start is not None:
+                results["eval_start"] = self.eval_start
+            t_start = time.time() - 60 * self.elapsed_min  # a resumed run continues its time budget
+            bar = tqdm(range(self.iteration, t.iterations), desc="train", disable=not cfg.log.progress or not self.dist.main,
+                       initial=self.iteration, total=t.iterations)
+            for it in bar:
+                self.iteration = it
+                lr = t.lr * lr_scale(it, t.iterations, self.elapsed_min, t.time_budget_min, t.lr_warmup, t.lr_cooldown)
+                for g in self.opt.param_groups:
+                    g["lr"] = lr
+                t_it = time.time()
+                metrics = {**self.step(it), "train/lr": lr, **perf(t, time.time() - t_it)}
+                self.iteration = it + 1
+                self.elapsed_min, stopping = self.dist.decide((time.time() - t_start) / 60, stop.signum is not None)
+                bar.set_postfix(reward=f"{metrics['reward/overall_mean']:.3f}")
+                self.logger.scalars(it, metrics)
+                if not cfg.log.progress and self.dist.main:  # no bars (a log file): one line per iteration
+                    log.info("iteration %d/%d: reward %.4f, loss %.4g, %.1f s (%.1f min in all)", it + 1, t.iterations,
+                             metrics["reward/overall_mean"], metrics.get("train/loss", 0.0),
+                             metrics["perf/iteration_s"], self.elapsed_min)
+                if stopping:
+                    self.preempt(stop.signum)
+                out_of_time = t.time_budget_min > 0 and self.elapsed_min >= t.time_budget_min
+                last = self.iteration == t.iterations or out_of_time
+                timed = cfg.log.eval_every_min and \
+                    self.elapsed_min >= cfg.log.eval_every_min * (1 + len(self.timed_evals))
+                if (cfg.log.eval_every and self.iteration % cfg.log.eval_every == 0 or timed) and not last:
+                    res = self.evaluate(self.iteration)
+                    if timed:
+                        self.timed_evals.append({"minutes": self.elapsed_min, "iteration": self.iteration, **res})
+                if self.iteration % cfg.log.save_every == 0 or last:
+                    self.save()
+                if out_of_time:
+                    log.warning("train.time_budget_min=%s reached after %d iterations", t.time_budget_min,
+                                self.iteration)
+                    break
+            if self.dist.decide(0.0, stop.signum is not None)[1]:  # signalled during the last iteration's evaluation
+                self.preempt(stop.signum)
         results["eval_end"] = self.evaluate(self.iteration)
         results["eval_timed"] = self.timed_evals  # log.eval_every_min: [{minutes, iteration, metrics...}]
         results["iterations"] = self.iteration
@@ -129,6 +143,26 @@ class Trainer:
         self.logger.close()
         self.collect.close()
         return results
+
+    def preempt(self, signum: int | None) -> None:
+        """A signal reached some rank: every rank saves the iteration just finished (unless it is saved) and exits
+        with 128 + the signal's number (`Preempted`); the run continues with --resume, or by itself under a
+        torchrun restart."""
+        import signal
+
+        signum = self.dist.broadcast_object(signum) or int(signal.SIGTERM)  # rank 0 may not have been signalled
+        path = self.saved_path
+        if self.iteration and self.saved_at != self.iteration:  # the same branch on every rank (a save is collective)
+            path = self.save()
+        self.logger.close()
+        self.collect.close()
+        name = signal.Signals(signum).name
+        msg = (f"stopped by {name} after iteration {self.iteration}; checkpoint {path}. Continue with the same command "
+               f"and --resume") if self.iteration else f"stopped by {name} before the first iteration; nothing saved"
+        if self.dist.main:
+            log.warning("%s", msg)
+        self.dist.close()
+        raise Preempted(signum, msg)
 
     def step(self, it: int) -> dict:
         cfg, t, a = self.cfg, self.cfg.train, self.cfg.algo
@@ -333,7 +367,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------- checkpoints
     def save(self) -> str:
         """Write checkpoints/iter-N (atomically; mmrl/checkpoint.py) and return its path."""
-        return ckpt.save_trainer(self)
+        self.saved_path = ckpt.save_trainer(self)
+        self.saved_at = self.iteration
+        return self.saved_path
 
     def resume(self) -> bool:
         """Load the newest intact checkpoint in log.out_dir; False when there is none."""
