@@ -148,6 +148,7 @@ def test_every_feature_ends_where_one_process_ends(tiny_pixel_model, tmp_path):
         run_matrix(tiny_pixel_model, tmp_path / mode, mode)
         for f in FEATURES.split(","):
             d = max_diff(tmp_path / "none" / f"{f}.safetensors", tmp_path / mode / f"{f}.safetensors")
+            print(f"{mode} {f}: max abs difference from one process {d:.2e}")
             assert d < 1e-6, f"{mode} {f}: parameters differ from one process by {d}"
     # one run, one set of numbers: statistics are every rank's, so they equal the single-process ones
     one, two = (json.load(open(tmp_path / m / "pairwise.json")) for m in ("none", "ddp"))
