@@ -453,35 +453,6 @@ def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def shard_like(full_tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`full_tensor` laid out like `like`: this rank's shard when `like` is an FSDP2 DTensor, else itself."""
-    if hasattr(like, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(full_tensor.to(like.dtype), like.device_mesh, like.placements)
-    return full_tensor
-
-
-def local_state(opt_state: dict) -> dict:
-    """An optimizer state dict with each DTensor replaced by this rank's local shard (plain tensors load with
-    weights_only=True); `from_local_state` reverses it."""
-    return {**opt_state, "state": {i: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in st.items()}
-                                   for i, st in opt_state["state"].items()}}
-
-
-def from_local_state(opt_state: dict, params: list[torch.Tensor]) -> dict:
-    """Local shards back into DTensors laid out like their parameters (optimizer state ids = param order)."""
-    from torch.distributed.tensor import DTensor
-
-    def wrap(v, p):
-        if hasattr(p, "device_mesh") and isinstance(v, torch.Tensor) and v.shape == p.to_local().shape and v.dim() > 0:
-            return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-        return v
-
-    return {**opt_state, "state": {i: {k: wrap(v, params[int(i)]) for k, v in st.items()}
-                                   for i, st in opt_state["state"].items()}}
-
-
 def full(p: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a (possibly FSDP2-sharded DTensor) parameter."""
     return p.full_tensor() if hasattr(p, "full_tensor") else p
