@@ -32,225 +32,25 @@ wall-clock time is estimated: FLOPs and rows per GPU are given instead.
 
 from __future__ import annotations
 
-import json
+
+from __future__ import annotations
+
 import math
 import os
-import weakref
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from mmrl.algorithms.objective import build_objective
 from mmrl.config import policy_kind, sample_chunk
 from mmrl.distributed import check_parallel_config, transformer_blocks
 from mmrl.errors import ConfigError, MissingFile
 from mmrl.models.families import all_architectures
+from mmrl.plan_models import (_DTYPES, LivePeak, Shapes, decode_peak, flow_model, frozen_parts,  # noqa: F401
+                              measure_forward, param_bytes, prepare, token_model)
+from mmrl.plan_measure import PHASES, flow_workload, measure, token_workload
 from mmrl.policy.base import reference_kind
 
 GiB = 2**30
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class Shapes:
-    """Transformer rows: of one training forward, of one iteration's sampling and of its training."""
-    rows: int                      # rows of one training forward (CFG doubles flow rows)
-    rows_sampled: int              # transformer rows of one iteration's rollout (no grad)
-    rows_trained: int              # transformer rows trained per iteration (each a forward and a backward)
-
-
-class _FusedAttention(torch.autograd.Function):
-    """SDPA as a fused (flash / memory-efficient) kernel keeps it for backward: q, k, v, out and the fp32
-    log-sum-exp; shapes only (meta)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # pragma: no cover - planning never runs backward
-        raise RuntimeError("planning only")
-
-
-class _Measure(torch.overrides.TorchFunctionMode):
-    """Replaces SDPA by _FusedAttention and counts its FLOPs (4 B H Lq Lk D, forward)."""
-
-    def __init__(self):
-        super().__init__()
-        self.attention_flops = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention:
-            kwargs = dict(kwargs or {})
-            q, k, v = (*args, *(kwargs.pop(n) for n in ("query", "key", "value") if n in kwargs))[:3]
-            if k.shape[-3] != q.shape[-3]:  # grouped-query attention: keys shared by head groups
-                rep = q.shape[-3] // k.shape[-3]
-                k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
-            self.attention_flops += 4 * q.shape[:-1].numel() * k.shape[-2] * q.shape[-1]
-            return _FusedAttention.apply(q, k, v)
-        return func(*args, **(kwargs or {}))
-
-
-def measure_forward(model: torch.nn.Module, run) -> dict:
-    """Run `run()` (one forward of `model` on meta tensors, with grad) and measure: bytes saved for backward
-    (not the parameters), per block and outside blocks, the blocks' input bytes, and forward FLOPs."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    saved: dict[int, tuple[int, int]] = {}  # storage -> (bytes, block index or -1)
-    current = [-1]
-    block_inputs = [0]
-
-    def pack(t):
-        key = t.untyped_storage()._cdata
-        if key not in params and key not in saved:
-            saved[key] = (t.untyped_storage().nbytes(), current[0])
-        return t
-
-    hooks = []
-    for i, b in enumerate(transformer_blocks(model)):
-        def pre(mod, args, kwargs, i=i):
-            current[0] = i
-            block_inputs[0] += sum(a.untyped_storage().nbytes() for a in (*args, *kwargs.values())
-                                   if isinstance(a, torch.Tensor) and a.is_floating_point())
-
-        hooks += [b.register_forward_pre_hook(pre, with_kwargs=True),
-                  b.register_forward_hook(lambda *a: current.__setitem__(0, -1))]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Measure() as attn, \
-                FlopCounterMode(display=False) as flops:
-            run()
-    finally:
-        for h in hooks:
-            h.remove()
-    per_block: dict[int, int] = {}
-    for nbytes, block in saved.values():
-        per_block[block] = per_block.get(block, 0) + nbytes
-    outside = per_block.pop(-1, 0)
-    return {"saved": sum(b for b, _ in saved.values()), "outside_blocks": outside,
-            "largest_block": max(per_block.values(), default=0), "block_inputs": block_inputs[0],
-            "flops": flops.get_total_flops() + attn.attention_flops}
-
-
-# ------------------------------------------------------------------------------------------------ builders
-def _flow_model(cfg, arch: dict | None):
-    """(transformer on meta, its family's PlanInputs) from model.path's configs or a published architecture."""
-    import diffusers
-
-    from mmrl.models.families import LoadOptions, family_for
-
-    m = cfg.model
-    options = LoadOptions(sample_size=m.sample_size, num_frames=m.num_frames, guidance=m.guidance,
-                          text_max_length=m.text_max_length)
-    if arch is None:
-        tcfg = json.load(open(os.path.join(m.path, "transformer", "config.json")))
-        pipe = json.load(open(os.path.join(m.path, "model_index.json")))
-        family = family_for(pipe["_class_name"], m.family)
-        cls, config, folder = tcfg["_class_name"], {k: v for k, v in tcfg.items() if not k.startswith("_")}, m.path
-        experts = 2 if (pipe.get("transformer_2") or [None])[0] and pipe.get("boundary_ratio") else 1
-    else:
-        family, cls, config, folder = arch["family"], arch["family"].transformer, arch["config"], None
-        experts = arch.get("experts", 1)
-    with torch.device("meta"):
-        tr = getattr(diffusers, cls).from_config(config)
-    tr.experts = experts  # Wan2.2 A14B: two transformers of this architecture, one runs per forward
-    return tr, family, family.plan_inputs(dict(tr.config), folder, options)
-
-
-def _token_model(cfg, arch: dict | None):
-    import transformers
-
-    if arch is None:
-        config = transformers.AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    else:
-        config = getattr(transformers, arch["class"].replace("ForConditionalGeneration", "Config"))(**arch["config"])
-    auto = (transformers.AutoModelForImageTextToText if hasattr(config, "vision_config")
-            else transformers.AutoModelForCausalLM)
-    with torch.device("meta"):
-        return auto.from_config(config)
-
-
-def _prepare(module: torch.nn.Module, cfg, targets) -> None:
-    """dtype, LoRA and trainable flags as the policy sets them. A LoRA adapter computes in fp32 (as in the
-    policy); a fully fine-tuned model computes at model.dtype (bf16 autocast over its fp32 master weights, which
-    the plan counts separately)."""
-    from mmrl.policy.base import upcast_trainable
-
-    module.to(_DTYPES[cfg.model.dtype])
-    if cfg.model.lora.enabled:
-        from peft import LoraConfig, inject_adapter_in_model
-
-        module.requires_grad_(False)
-        inject_adapter_in_model(LoraConfig(r=cfg.model.lora.rank, lora_alpha=cfg.model.lora.alpha,
-                                           target_modules=list(cfg.model.lora.target_modules) or targets), module)
-        upcast_trainable(module)
-    else:
-        module.requires_grad_(True)
-
-
-def _frozen_parts(cfg, arch: dict | None) -> tuple[list[torch.nn.Module], torch.nn.Module | None]:
-    """(text encoders, VAE or None) on the meta device at the dtype the pipeline loads them with."""
-    import diffusers
-    import transformers
-
-    from mmrl.models.families import family_for
-
-    dtype = _DTYPES[cfg.model.dtype]
-    with torch.device("meta"):
-        if arch is not None:
-            encoders, (vae_cls, vae_cfg) = arch.get("frozen_parts") or arch["family"].frozen_parts
-            text = [getattr(transformers, c)(getattr(transformers, k)(**conf)) for c, k, conf in encoders]
-            vae = getattr(diffusers, vae_cls).from_config(vae_cfg)
-        else:
-            path = cfg.model.path
-            pipe = json.load(open(os.path.join(path, "model_index.json")))
-            if not family_for(pipe["_class_name"], cfg.model.family).diffusers:  # mmrl's pixel models: CLIP in fp32
-                conf = transformers.AutoConfig.from_pretrained(os.path.join(path, "text_encoder"))
-                return [transformers.CLIPTextModelWithProjection(conf)], None
-            text = [getattr(transformers, pipe[n][1])(transformers.AutoConfig.from_pretrained(os.path.join(path, n)))
-                    for n in sorted(pipe) if (n.startswith("text_encoder") or n == "image_encoder") and (pipe[n] or [None])[0]]
-            vae = getattr(diffusers, pipe["vae"][1]).from_config(json.load(open(os.path.join(path, "vae", "config.json"))))
-    return [m.to(dtype) for m in text], vae.to(dtype)
-
-
-class LivePeak(TorchDispatchMode):
-    """The peak bytes of live tensors created under it (meta tensors included), not counting `exclude`d storages
-    (the parameters): a storage is live while a tensor created on it is referenced."""
-
-    def __init__(self, exclude: set[int] = frozenset()):
-        super().__init__()
-        self.exclude, self.refs, self.nbytes, self.live, self.peak = exclude, {}, {}, 0, 0
-
-    def _release(self, key: int) -> None:
-        self.refs[key] -= 1
-        if not self.refs[key]:
-            self.live -= self.nbytes.pop(key)
-            del self.refs[key]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                key = t.untyped_storage()._cdata
-                if key in self.exclude:
-                    continue
-                if key not in self.refs:
-                    self.refs[key], self.nbytes[key] = 0, t.untyped_storage().nbytes()
-                    self.live += self.nbytes[key]
-                    self.peak = max(self.peak, self.live)
-                self.refs[key] += 1
-                weakref.finalize(t, self._release, key)
-        return out
-
-
-def decode_peak(vae: torch.nn.Module, z: torch.Tensor) -> tuple[int, torch.Size]:
-    """(peak bytes of live tensors, output shape) of `vae.decode(z)` without gradients; z [n, C, (F,) H, W]."""
-    with torch.no_grad(), LivePeak({p.untyped_storage()._cdata for p in vae.parameters()}) as live:
-        out = vae.decode(z).sample
-    return live.peak, out.shape
 
 
 def rank_share(total: int, mine: int, drawn: int, p: float = 1e-6) -> tuple[float, int, int]:
@@ -264,9 +64,6 @@ def rank_share(total: int, mine: int, drawn: int, p: float = 1e-6) -> tuple[floa
         above += math.comb(mine, k) * math.comb(total - mine, drawn - k)
     return drawn * mine / total, lo, hi
 
-
-def _nbytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def _check_layout(cfg, world: int, cp: int, folder: bool) -> None:
@@ -286,7 +83,8 @@ def _check_layout(cfg, world: int, cp: int, folder: bool) -> None:
                           world * cp, folder=folder)
 
 
-def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int = 1, cp: int = 1) -> dict:
+def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int = 1, cp: int = 1,
+         measured: bool = True) -> dict:
     """The per-GPU cost of one iteration of config `cfg` (see the module docstring).
 
     Args:
@@ -294,6 +92,8 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
         prompt_tokens: a token policy's prompt length (with its video or image tokens).
         world: data-parallel processes (each samples ceil(B / world) whole groups).
         cp: context-parallel ranks per process (one forward's video tokens split cp ways); world x cp GPUs.
+        measured: also run one iteration on fake tensors under a fake process group (mmrl/plan_measure.py) for the
+            per-phase peaks (startup_gib ... save_gib, peak_gib); False: the parts by hand only (faster).
     Returns:
         sizes in bytes / 2**30 (keys ending in _gib), parameter and row counts, TFLOP per iteration.
     """
@@ -318,17 +118,17 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
     text, vae, decode, out_bytes, stored, chain, cache = [], None, 0, 0, 0, 0, 0
     if policy_kind(cfg.model.policy) is None:
         raise ConfigError(f"mmrl plan knows the built-in policies (flow, token), not model.policy={cfg.model.policy}")
+    needs_reference = build_objective(cfg.algo).needs_reference
     if policy_kind(cfg.model.policy) == "flow":
-        from mmrl.algorithms.objective import build_objective
         from mmrl.sampling.flow_sde import strided_schedule
 
-        model, family, inputs = _flow_model(cfg, arch)
+        model, family, inputs = flow_model(cfg, arch)
         call, latent, text_tokens, enc_dim, pooled_dim = inputs[:5]
         name = type(model).__name__
         if cp > 1 and not getattr(type(model), "_cp_plan", None):
             raise ConfigError(f"--cp {cp}: diffusers has no context-parallel plan for {name}; use --cp 1")
         targets = list(inputs.lora_targets or family.lora_targets)
-        _prepare(model, cfg, targets)
+        prepare(model, cfg, targets)
         cfg_rows = 2 if s.cfg_scale != 1.0 else 1
         # trained actions per row: SDE steps, or noise levels of the final sample (forward-process losses, which
         # also pay one velocity forward per action when sampling)
@@ -348,7 +148,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
             call(model, x, torch.full((m,), 0.5, device="meta", dtype=dtype), enc,
                  torch.empty(m, pooled_dim, device="meta", dtype=dtype)).float().sum()
 
-        text, vae = _frozen_parts(cfg, arch)
+        text, vae = frozen_parts(cfg, arch)
         latent_bytes = 4 * math.prod(latent)  # the SDE math is fp32
         rows = chunk or rank_rows
         if vae is not None:
@@ -363,17 +163,24 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
         stored = rank_rows * (3 * trained_steps * latent_bytes + prompt_bytes + out_bytes)
         chain = rank_rows * (2 * sample_calls + 1) * latent_bytes
         cache = min(cfg.model.text_cache * prompt_bytes, 2**30)  # BoundedCache(text_cache, 1 GiB) of embeddings
+        passes = -(-share * trained_steps // transitions) * t.grad_accum  # training forwards per optimizer step
+        workload = lambda: flow_workload(  # noqa: E731
+            cfg, model, inputs, text, vae, chunk=chunk or rank_rows, m=transitions, cp=cp, kept=stored + cache,
+            chain=chain, passes=passes, needs_reference=needs_reference, forward_objective=forward)
     else:
         from mmrl.policy.vlm import DEFAULT_LORA_TARGETS
 
-        model = _token_model(cfg, arch)
-        _prepare(model, cfg, DEFAULT_LORA_TARGETS)
+        model = token_model(cfg, arch)
+        prepare(model, cfg, DEFAULT_LORA_TARGETS)
         seq = prompt_tokens + s.max_new_tokens
         m = t.micro_batch or share
         shapes = Shapes(m, n_rows, n_rows * t.inner_epochs)
         base = model.model if hasattr(model, "model") else model
         lm = getattr(base, "language_model", base)
         stored = rank_rows * (8 * seq + 4 * s.max_new_tokens)  # int64 token ids, fp32 old log-probs
+        workload = lambda: token_workload(  # noqa: E731
+            cfg, model, chunk=chunk or rank_rows, m=m, seq=seq, kept=stored, needs_reference=needs_reference,
+            passes=-(-share // m) * t.grad_accum)
 
         def run():
             ids = torch.zeros(m, seq, dtype=torch.long, device="meta")
@@ -402,7 +209,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
     # recomputed, and its gradients)
     act = meas["saved"] + meas["largest_block"]
     act_ckpt = meas["block_inputs"] + 2 * meas["largest_block"] + meas["outside_blocks"]
-    text_bytes, vae_bytes = sum(_nbytes(e) for e in text), _nbytes(vae) if vae is not None else 0
+    text_bytes, vae_bytes = sum(param_bytes(e) for e in text), param_bytes(vae) if vae is not None else 0
     resident = sum(v for k, v in state.items() if k != "gradients_fp32") + cache + gathered + stored
     peak_sampling = resident + text_bytes + vae_bytes + chain + decode
     peak_training = resident + state["gradients_fp32"] + (act_ckpt if t.gradient_checkpointing else act) / cp \
@@ -437,6 +244,13 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
         "tflop_per_iter_training": fwd_row * shapes.rows_trained * train_factor / 1e12,
         "tflop_per_gpu_per_iter": fwd_row * (shapes.rows_sampled + shapes.rows_trained * train_factor) * frac / cp / 1e12,
     }
+    if measured:
+        if t.gradient_checkpointing:
+            model.gradient_checkpointing_enable() if hasattr(model, "gradient_checkpointing_enable") \
+                else model.enable_gradient_checkpointing()
+        peaks = measure(workload(), shard, t.parallel, t.mixed_precision)
+        out.update({f"{k}_gib": peaks[k] / GiB for k in PHASES}, peak_gib=max(peaks.values()) / GiB)
+        out["total_gib"] = out["peak_gib"]
     return out
 
 

@@ -33,7 +33,8 @@ LAYERS = [
     # 5 the loop, the reward server
     ["mmrl.trainer", "mmrl.reward_server", "mmrl.runs"],
     # 6 tools on top of the loop
-    ["mmrl.plan", "mmrl.export", "mmrl.testing.memory", "mmrl.testing.contract", "mmrl.testing.tiny_rewards",
+    ["mmrl.plan", "mmrl.plan_models", "mmrl.plan_measure", "mmrl.export", "mmrl.testing.memory",
+     "mmrl.testing.contract", "mmrl.testing.tiny_rewards",
      "mmrl.eval", "mmrl.sample", "mmrl.preflight"],
     # 7 the command line
     ["mmrl.cli"],
