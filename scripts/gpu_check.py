@@ -5,14 +5,18 @@
     python scripts/gpu_check.py --device cpu     # the same iterations on CPU (no CUDA needed; what CI runs)
 
 1. `pytest -m gpu tests/test_device.py`: the trainer's real step with the policy on CUDA, equal to the CPU step.
-2. Two training iterations of every shipped GPU config (SD3.5 Flow-GRPO on GenEval, PickScore, OCR and GenEval +
-   PickScore, and MixGRPO-Flash, FLUX.1, FLUX.2-dev and klein, FLUX.1 Kontext and Qwen-Image-Edit editing, Wan2.x T2V
-   (also with VideoAlign) and I2V, Qwen-Image DiffusionNFT, Z-Image AWM, Qwen2.5-VL grounding, SmolLM2 arithmetic)
-   on tiny random-init pipelines of the same real classes (each model family's tiny builder; the recipes' reward
-   models likewise, mmrl/testing/tiny_rewards.py), in bf16 with gradient checkpointing and micro-batches, the
-   second timed; peak memory is torch.cuda.max_memory_allocated (on CPU: the resident peak). `--only sd35 wan`
-   runs the configs whose name contains one of the words.
-Exits 2 when CUDA is asked for and absent. The last line is one JSON object.
+2. Every shipped GPU config (SD3.5 Flow-GRPO on GenEval, PickScore, OCR and GenEval + PickScore, and
+   MixGRPO-Flash, FLUX.1, FLUX.2-dev and klein, FLUX.1 Kontext and Qwen-Image-Edit editing, Wan2.x T2V (also with
+   VideoAlign) and I2V, Qwen-Image DiffusionNFT, Z-Image AWM, Qwen2.5-VL grounding, SmolLM2 arithmetic) on tiny
+   random-init pipelines of the same real classes (each model family's tiny builder; the recipes' reward models
+   likewise, mmrl/testing/tiny_rewards.py), in bf16 with gradient checkpointing and micro-batches, through the
+   trainer's own loop: 2 iterations (the second timed), each saved and evaluated on the held-out prompts (outside
+   autocast, as a run does), then a new trainer resumes the newest checkpoint and trains iteration 3. Peak memory
+   is torch.cuda.max_memory_allocated (on CPU: the resident peak), for the first run and for the resumed one.
+   `--only sd35 wan` runs the configs whose name contains one of the words.
+Exits 2 when CUDA is asked for and absent. The last line is one JSON object: "ok", and per config "ok", the timed
+iteration, "peak_mib" / "resume_peak_mib", "eval" (the end evaluation's figures), "resumed_at_iteration" (3) and
+"iterations" (3), or "error" with its traceback.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # config -> the tiny model (a family's name, or a token model) whose overrides point it at the tiny model and world
@@ -121,34 +125,89 @@ def build_models(tmp: str) -> dict[str, list[str]]:
     return out
 
 
-def one_iteration(config: str, overrides: list[str], device: str, out_dir: str) -> dict:
+def recipe_config(config: str, overrides: list[str], device: str, out_dir: str, iterations: int):
+    from mmrl.compose import load_config
+
+    return load_config(os.path.join(ROOT, "configs", config + ".yaml"), [
+        *overrides, f"model.device={device}", "model.dtype=bfloat16", "train.mixed_precision=bf16",
+        "train.gradient_checkpointing=true", "train.micro_batch=2", f"train.iterations={iterations}",
+        "train.time_budget_min=0", f"log.out_dir={out_dir}", "log.tensorboard=false", "log.progress=false",
+        "log.eval_at_start=false", "log.eval_every=1", "log.save_every=1", "log.keep_checkpoints=2"])
+
+
+class Peak:
+    """Peak memory of a phase in MiB: torch.cuda.max_memory_allocated on CUDA, else what the process's resident
+    peak (VmHWM) added over its size at the start."""
+
+    def __init__(self, cuda: bool):
+        import torch
+
+        self.cuda, self.torch = cuda, torch
+
+    def __enter__(self):
+        from mmrl.testing.memory import reset_peak
+
+        if self.cuda:  # no /proc resident counters needed (gVisor's /proc has no clear_refs)
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+        else:
+            self.before = reset_peak()
+        return self
+
+    def __exit__(self, *exc):
+        from mmrl.testing.memory import rss_kib
+
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.mib = self.torch.cuda.max_memory_allocated() / 2**20
+        else:
+            self.mib = (rss_kib("VmHWM") - self.before) / 1024
+
+
+def check_recipe(config: str, overrides: list[str], device: str, out_dir: str) -> dict:
+    """The recipe's real loop (Trainer.fit, as `mmrl train` runs it): 2 iterations, each followed by a save and
+    an evaluation (the held-out benchmark outside autocast: at iteration 1 mid-run, at the end as results'
+    eval_end); then a new Trainer resumes the newest checkpoint and trains iteration 3, as `--resume` does. The
+    second iteration is the timed one (warm caches). Peaks: the first run (start-up, training, evaluations, saves)
+    and the resumed one (start-up, load, one iteration, evaluation, save)."""
+    import gc
+
     import torch
 
-    from mmrl.compose import load_config
-    from mmrl.testing.memory import reset_peak, rss_kib
     from mmrl.trainer import Trainer
 
-    cfg = load_config(os.path.join(ROOT, "configs", config + ".yaml"), [
-        *overrides, f"model.device={device}", "model.dtype=bfloat16", "train.mixed_precision=bf16",
-        "train.gradient_checkpointing=true", "train.micro_batch=2", "train.iterations=1", "train.time_budget_min=0",
-        f"log.out_dir={out_dir}", "log.tensorboard=false", "log.progress=false", "log.eval_at_start=false"])
-    tr = Trainer(cfg)
     cuda = device.startswith("cuda")
+    with Peak(cuda) as peak:
+        tr = Trainer(recipe_config(config, overrides, device, out_dir, 2))
+        first = tr.fit()
+    params_dtypes = sorted({str(p.dtype) for p in tr.params})
+    del tr
+    gc.collect()
+    with Peak(cuda) as resume_peak:
+        tr = Trainer(recipe_config(config, overrides, device, out_dir, 3))
+        if not tr.resume():
+            raise RuntimeError(f"no checkpoint to resume in {out_dir}/checkpoints after 2 iterations with save_every=1")
+        resumed_at = tr.iteration  # iterations done before the resumed run: 2
+        resumed = tr.fit()
+    del tr
+    gc.collect()
     if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    tr.step(0)  # two iterations: the second is timed (warm caches), and trains on weights the first moved
-    before = reset_peak()
-    t0 = time.perf_counter()
-    m = tr.step(1)
-    if cuda:
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else (rss_kib("VmHWM") - before) / 1024
-    rows = cfg.train.prompts_per_iter * cfg.train.group_size
-    return {"seconds": wall, "samples_per_s": rows / wall, "peak_mib": peak, "loss": m["train/loss"],
-            "reward": m["reward/overall_mean"], "optimizer_steps": m["train/optimizer_steps"],
-            "params_dtypes": sorted({str(p.dtype) for p in tr.params})}
+        torch.cuda.empty_cache()
+    if resumed_at != 2 or resumed["iterations"] != 3:
+        raise RuntimeError(f"--resume continued at iteration {resumed_at + 1} and ended at {resumed['iterations']}; "
+                           f"expected iteration 3 of 3")
+    train = {r["step"]: r for r in map(json.loads, open(os.path.join(out_dir, "metrics.jsonl")))
+             if "reward/overall_mean" in r}  # one line per trained iteration, the resumed run's appended
+    if sorted(train) != [0, 1, 2]:
+        raise RuntimeError(f"metrics.jsonl holds training lines for iterations {sorted(train)}, expected [0, 1, 2]")
+    m = train[1]
+    eval_end = {k: v for k, v in first["eval_end"].items() if isinstance(v, (int, float))}
+    return {"seconds": m["perf/iteration_s"], "samples_per_s": m["perf/samples_per_s"], "peak_mib": peak.mib,
+            "resume_peak_mib": resume_peak.mib, "loss": m["train/loss"], "reward": m["reward/overall_mean"],
+            "optimizer_steps": m["train/optimizer_steps"], "params_dtypes": params_dtypes, "eval": eval_end,
+            "eval_after_resume": {k: v for k, v in resumed["eval_end"].items() if isinstance(v, (int, float))},
+            "resumed_at_iteration": resumed_at + 1, "iterations": resumed["iterations"],
+            "checkpoints": sorted(os.listdir(os.path.join(out_dir, "checkpoints")))}
 
 
 def main() -> int:
@@ -177,14 +236,21 @@ def main() -> int:
             if args.only and not any(word in config for word in args.only):
                 continue
             try:
-                res = one_iteration(config, overrides[model] + rewards.get(config, []), args.device,
-                                    os.path.join(tmp, "run", model))
-            except Exception as e:  # noqa: BLE001 - report every config, then fail
-                res = {"error": f"{type(e).__name__}: {e}"}
+                res = check_recipe(config, overrides[model] + rewards.get(config, []), args.device,
+                                   os.path.join(tmp, "run", config.replace("/", "_")))
+                res["ok"] = True
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - report every config, then fail (torch.distributed.checkpoint's
+                # CheckpointException derives from BaseException)
+                res = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
             result["configs"][config] = res
-            print(f"{config:36s} " + (f"{res['seconds']:.2f} s, {res['samples_per_s']:.1f} samples/s, "
-                                      f"peak {res['peak_mib']:.0f} MiB" if "error" not in res else res["error"]))
-    ok = all("error" not in r for r in result["configs"].values()) and \
+            print(f"{config:36s} " + (f"{res['seconds']:.2f} s, {res['samples_per_s']:.1f} samples/s, peak "
+                                      f"{res['peak_mib']:.0f} MiB (resumed: {res['resume_peak_mib']:.0f} MiB), eval overall "
+                                      f"{res['eval'].get('overall', float('nan')):.4f} on {res['eval']['n']}, "
+                                      f"resumed at iteration {res['resumed_at_iteration']}"
+                                      if res["ok"] else res["error"].splitlines()[0]), flush=True)
+    ok = all(r["ok"] for r in result["configs"].values()) and \
         result.get("device_tests", {}).get("returncode", 0) == 0
     result["ok"] = ok
     print(json.dumps(result))

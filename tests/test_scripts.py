@@ -131,10 +131,11 @@ def test_bench_reward_server_quick():
     assert k["error"] and k["tries"] == 3 and k["seconds_to_error"] < k["bound_s"]
 
 
-@pytest.mark.slow  # ~80 s: two iterations of 17 recipes; every config still loads and validates in test_config.py
-def test_gpu_check_runs_every_gpu_config_on_cpu():
-    """The GPU acceptance script's iterations (bf16, gradient checkpointing, micro-batches) on CPU; on a machine
-    without CUDA the default (--device cuda) refuses with exit code 2."""
+@pytest.mark.slow  # ~7 min: 17 recipes, each 3 iterations, 3 evaluations, 3 saves, a resume; every config still
+def test_gpu_check_runs_every_gpu_config_on_cpu():  # loads and validates in test_config.py
+    """The GPU acceptance script's runs (bf16, gradient checkpointing, micro-batches; 2 iterations, each saved and
+    evaluated, then a resume that trains iteration 3) on CPU; on a machine without CUDA the default (--device cuda)
+    refuses with exit code 2."""
     r = run("scripts/gpu_check.py", "--device", "cpu", "--quick")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
@@ -145,6 +146,8 @@ def test_gpu_check_runs_every_gpu_config_on_cpu():
         sys.path.pop(0)
     assert res["ok"] and sorted(res["configs"]) == sorted(GPU_CONFIGS) and len(GPU_CONFIGS) == 17
     assert all(c["optimizer_steps"] == 2 and c["params_dtypes"] == ["torch.float32"] for c in res["configs"].values())
+    assert all(c["resumed_at_iteration"] == c["iterations"] == 3 and c["eval"]["n"] > 0 and
+               c["checkpoints"] == ["iter-000002", "iter-000003"] for c in res["configs"].values())
     if not res["cuda_available"]:
         assert run("scripts/gpu_check.py", "--quick").returncode == 2
 
