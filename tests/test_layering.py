@@ -29,7 +29,7 @@ LAYERS = [
     # 3 plugins: the built-in rewards and tasks, which mmrl reaches only through registry strings
     ["rewards.*", "tasks.*"],
     # 4 composition: config names -> objects; checkpoint files
-    ["mmrl.compose", "mmrl.checkpoint"],
+    ["mmrl.compose", "mmrl.checkpoint", "mmrl.checkpoint_state"],
     # 5 the loop, the reward server
     ["mmrl.trainer", "mmrl.reward_server", "mmrl.runs"],
     # 6 tools on top of the loop
