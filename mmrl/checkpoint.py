@@ -8,8 +8,8 @@ checkpoints/iter-N/ holds
     trainer_state.json   iteration, elapsed minutes, RNG, timed evaluations, the start evaluation, metrics lines,
                          the writer's world size and parallelism (rank 0)
     config.json          the run's config
-    policy/              the final checkpoint of a run only: the policy's save_pretrained (diffusers / peft
-                         loadable) with the EMA weights when EMA is on, else the raw ones
+    policy/              the final checkpoint of a run only (not under FSDP2 full fine-tuning): the policy's
+                         save_pretrained (diffusers / peft loadable), EMA weights when EMA is on, else the raw ones
     manifest.json        written last: every file's size and sha256
 
 Where the trained tensors are: once raw and once as EMA (state/), in every checkpoint. A policy/ folder is an
@@ -17,8 +17,9 @@ export: the run's last save writes one, and `policy_folder` (what `mmrl eval`, `
 call) builds it from state/ and config.json the first time an earlier checkpoint is asked for, so an intermediate
 checkpoint never stores a third copy. (The final checkpoint holds that third copy: what users load and ship.)
 
-Nothing is gathered whole on one host for the trainer state; writing policy/ under FSDP2 all-gathers one
-parameter at a time onto rank 0 (LoRA: the adapters only; full fine-tuning: rank 0 then holds the whole model).
+Nothing is gathered whole on one host during training: under FSDP2 the final save gathers LoRA adapters (one at a
+time, onto rank 0) and no full fine-tuned weights; `build_policy_folder` assembles those later in one process
+(which `mmrl eval` / `export` need whole anyway).
 """
 
 from __future__ import annotations
@@ -123,10 +124,12 @@ def save_trainer(tr) -> str:
     with contextlib.ExitStack() as stack:
         tmp = tr.dist.broadcast_object(stack.enter_context(atomic_dir(path)) if main else None)
         cs.save_state(tr, os.path.join(tmp, cs.STATE))
-        if _last_save(tr):  # the export: EMA weights when enabled. Under FSDP rank 0 gathers what save_pretrained
-            # writes, one parameter at a time: the trained tensors (LoRA: the adapters), never a frozen base
-            saved = (lambda p: p.requires_grad) if getattr(tr.policy, "lora", False) else (lambda p: True)
-            with tr.ema_weights(), unsharded(tr.policy.trainable_modules() if fsdp else [], main, saved):
+        lora = getattr(tr.policy, "lora", False)
+        if _last_save(tr) and (lora or not fsdp):  # the export: EMA weights when enabled. Under FSDP rank 0 gathers
+            # the adapters one at a time (small); a fully fine-tuned model is never whole on one rank: its policy/ is
+            # built from the shards in one process when first asked for (policy_folder)
+            with tr.ema_weights(), unsharded(tr.policy.trainable_modules() if fsdp else [], main,
+                                             lambda p: p.requires_grad):
                 if main:
                     tr.policy.save_pretrained(os.path.join(tmp, "policy"))
         if main:
@@ -219,29 +222,27 @@ def policy_folder(checkpoint: str) -> str | None:
     """The policy folder (policy/ with mmrl_policy.json) of a run folder (its newest intact checkpoint), a trainer
     checkpoint or a policy folder; None for a plain model folder. A damaged checkpoint is refused with one line
     naming what is wrong and an intact one to use instead; a checkpoint without policy/ gets one, built from its
-    state/ (EMA weights) and config.json."""
-    newest = None
-    if os.path.isdir(os.path.join(checkpoint, "checkpoints")):
-        newest = newest_intact(os.path.join(checkpoint, "checkpoints"), using="using")
-    checkpoint = newest or checkpoint
+    state/ (EMA weights) and config.json. A checkpoint without manifest.json but with policy/ (written by mmrl
+    before manifests, or by hand) is taken as it is."""
+    runs = os.path.join(checkpoint, "checkpoints")
+    newest = latest(runs)
+    if newest is not None:
+        manifest = os.path.isfile(os.path.join(newest, cs.MANIFEST))
+        checkpoint = newest_intact(runs, using="using") if manifest else newest
     if not os.path.isdir(checkpoint):
         raise MissingFile(f"checkpoint {checkpoint!r} does not exist (give runs/NAME/checkpoints/iter-N, its "
-                                f"policy/ folder, or a model folder)")
-    if os.path.basename(os.path.normpath(checkpoint)) == "policy" and os.path.isfile(
-            os.path.join(checkpoint, "mmrl_policy.json")):
-        trainer_ck = os.path.dirname(os.path.normpath(checkpoint))
-        if os.path.isfile(os.path.join(trainer_ck, cs.MANIFEST)):
-            _check_intact(trainer_ck)
+                          f"policy/ folder, or a model folder)")
+    if os.path.isfile(os.path.join(checkpoint, "mmrl_policy.json")):  # a policy folder: a checkpoint's, or alone
+        parent = os.path.dirname(os.path.normpath(checkpoint))
+        if os.path.basename(os.path.normpath(checkpoint)) == "policy" and os.path.isfile(
+                os.path.join(parent, cs.MANIFEST)):
+            _check_intact(parent)
         return checkpoint
-    if os.path.isfile(os.path.join(checkpoint, "mmrl_policy.json")):  # a policy folder saved on its own
-        return checkpoint
-    is_trainer_ck = os.path.isdir(os.path.join(checkpoint, cs.STATE)) or os.path.isfile(
-        os.path.join(checkpoint, cs.MANIFEST)) or os.path.isfile(os.path.join(checkpoint, "trainer_state.pt"))
-    if not is_trainer_ck:
-        return None
-    if not os.path.isfile(os.path.join(checkpoint, "trainer_state.pt")):  # (mmrl before manifests wrote that file)
+    policy, state = os.path.join(checkpoint, "policy"), os.path.isdir(os.path.join(checkpoint, cs.STATE))
+    if not state and not os.path.isfile(os.path.join(policy, "mmrl_policy.json")):
+        return None  # a plain model folder
+    if state or os.path.isfile(os.path.join(checkpoint, cs.MANIFEST)):
         _check_intact(checkpoint)
-    policy = os.path.join(checkpoint, "policy")
     if not os.path.isfile(os.path.join(policy, "mmrl_policy.json")):
         build_policy_folder(checkpoint)
     return policy

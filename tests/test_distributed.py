@@ -62,9 +62,10 @@ def test_ddp_and_fsdp_end_where_one_process_ends(tiny_pixel_model, tmp_path):
     resumed, straight = load_file(tmp_path / "resumed.safetensors"), load_file(tmp_path / "fsdp.safetensors")
     assert max((resumed[k] - straight[k]).abs().max().item() for k in straight) == 0.0
     # the FSDP checkpoint holds whole tensors and loads as a policy with the trained weights
+    from mmrl.checkpoint import policy_folder
     from mmrl.policy.flow import load_policy_checkpoint
 
-    model = load_policy_checkpoint(str(tmp_path / "run-fsdp/checkpoints/iter-000003/policy"))
+    model = load_policy_checkpoint(policy_folder(str(tmp_path / "run-fsdp/checkpoints/iter-000003")))  # from shards
     trained = [p for p in model.transformer.parameters()]
     assert len(trained) == len(single)
     assert max((p.detach() - single[f"p{i}"]).abs().max().item() for i, p in enumerate(trained)) < 1e-6
