@@ -20,7 +20,10 @@ def lr_scale(it: int, iterations: int, elapsed_min: float, budget_min: float, wa
 
 class EMA:
     """Exponential moving average of `params` (train.ema_decay): `update()` after each optimizer step;
-    `swapped()` puts the averages in the parameters for evaluation and saving, and the raw weights back after."""
+    `swapped()` puts the averages in the parameters for evaluation and saving, and the raw weights back after.
+
+    Made after DDP / FSDP wrapping: under FSDP2 each shadow is a clone of a DTensor parameter, so a DTensor with
+    this rank's shard only, in the parameter's fp32 (trained weights are fp32 master weights: upcast_trainable)."""
 
     def __init__(self, params: list[torch.nn.Parameter], decay: float, after_swap=lambda: None):
         self.params, self.decay = params, decay

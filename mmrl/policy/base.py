@@ -93,7 +93,9 @@ def reference_kind(cfg) -> str:
 
 def upcast_trainable(module: torch.nn.Module) -> None:
     """fp32 master weights: trained parameters stored in bf16 / fp16 are cast to fp32 (the optimizer then updates
-    fp32 weights, as Flow-GRPO's cast_training_params does for LoRA); frozen weights keep their dtype."""
+    fp32 weights, as Flow-GRPO's cast_training_params does for LoRA); frozen weights keep their dtype. On a module
+    built on the meta device (FSDP's sharded loading) only the dtype changes: the fp32 storage is then allocated
+    shard by shard (mmrl.models.pipelines.load_into_shards), never whole."""
     for p in module.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
