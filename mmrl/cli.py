@@ -10,9 +10,8 @@
 Options may come anywhere on the line. A user error (mmrl.errors.UserError: a bad config, a missing file, a run
 folder in use, an unknown or unimportable name) prints one message naming the fix and exits with status 2;
 `--debug` (or MMRL_DEBUG=1) shows the traceback instead. Any other exception is a bug somewhere (mmrl, a library,
-a plugin's code): it keeps its traceback and exits with status 1. The
-working directory and the config file's folder are importable, so `reward.name: my_rewards:score` finds
-my_rewards.py in either."""
+a plugin's code): it keeps its traceback and exits with status 1. The working directory and the config file's
+folder are importable, so `reward.name: my_rewards:score` finds my_rewards.py in either."""
 
 from __future__ import annotations
 
