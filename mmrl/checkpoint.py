@@ -10,7 +10,8 @@ checkpoints/iter-N/ holds
     config.json          the run's config
     policy/              the final checkpoint of a run only (not under FSDP2 full fine-tuning): the policy's
                          save_pretrained (diffusers / peft loadable), EMA weights when EMA is on, else the raw ones
-    manifest.json        written last: every file's size and sha256
+    manifest.json        written last: every other file's size and sha256 (config.json aside: a record people
+                         read and may edit); a policy/ built later is not in it
 
 Where the trained tensors are: once raw and once as EMA (state/), in every checkpoint. A policy/ folder is an
 export: the run's last save writes one, and `policy_folder` (what `mmrl eval`, `mmrl sample` and `mmrl export`
