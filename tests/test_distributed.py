@@ -151,6 +151,9 @@ def test_every_feature_ends_where_one_process_ends(tiny_pixel_model, tmp_path):
             d = max_diff(tmp_path / "none" / f"{f}.safetensors", tmp_path / mode / f"{f}.safetensors")
             print(f"{mode} {f}: max abs difference from one process {d:.2e}")
             assert d < 1e-6, f"{mode} {f}: parameters differ from one process by {d}"
+    for f in ("dynamic", "refill"):  # the refills ran: 2 informative groups of 3, then 2 rounds asking for 1 group
+        m = json.load(open(tmp_path / "fsdp" / f"{f}.json"))
+        assert (m["dynamic/rounds"], m["dynamic/informative_groups"]) == (3, 2), m
     # one run, one set of numbers: statistics are every rank's, so they equal the single-process ones
     one, two = (json.load(open(tmp_path / m / "pairwise.json")) for m in ("none", "ddp"))
     assert two["reward/overall_mean"] == pytest.approx(one["reward/overall_mean"])
