@@ -95,8 +95,12 @@ class Distributed:
         if parallel != "none" and launched():
             from accelerate import PartialState
 
+            from mmrl.preemption import restarted
+
             cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
             timeout = datetime.timedelta(minutes=timeout_min)  # train.dist_timeout_min (a group made earlier keeps its own)
+            if not dist.is_initialized() and restarted() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                _init_restarted_group(cpu, timeout)
             state = PartialState(cpu=cpu, timeout=timeout)
             if not dist.is_initialized() or dist.get_world_size() != int(os.environ["WORLD_SIZE"]):
                 raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but no process group of that size: launch "
@@ -330,7 +334,17 @@ class Distributed:
         mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, self.device.type)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if mixed_precision == "bf16" else MixedPrecisionPolicy()
-        for blk in transformer_blocks(module):  # each transformer block its own unit: params all-gathered one block at a time
+        # FSDP units, all-gathered one at a time: each transformer block; in a model of few large blocks (each over
+        # 1/16 of its parameters) also each block's large children (>= 1/8 of the block). Gathering a unit holds ~2-3x
+        # the unit whole on every rank for a moment (the gathered buffer and its per-parameter copies; in backward the
+        # unsharded gradients too): with 8 blocks that would add ~1/3 of the model to a rank's 1/world share.
+        count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+        total = count(module)
+        for blk in transformer_blocks(module):
+            if count(blk) > total / 16:
+                for child in blk.children():
+                    if count(child) >= count(blk) / 8:
+                        fully_shard(child, mesh=mesh, mp_policy=mp)
             fully_shard(blk, mesh=mesh, mp_policy=mp)
         fully_shard(module, mesh=mesh, mp_policy=mp)
         self.wrapped.append(module)
@@ -385,6 +399,21 @@ class Distributed:
         if self.world > 1 and dist.is_initialized():
             dist.barrier(group=self.cpu_group)
             dist.destroy_process_group()
+
+
+def _init_restarted_group(cpu: bool, timeout: datetime.timedelta) -> None:
+    """The default process group of workers that torchrun restarted (--max-restarts), on the agent's store under a
+    prefix of their own attempt: on the plain store the new workers read the addresses the dead ones published
+    (gloo: "Connection refused" at start-up, seen with torch 2.14)."""
+    from mmrl.preemption import restarted
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    if not cpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("gloo" if cpu else "nccl", store=dist.PrefixStore(f"mmrl/attempt-{restarted()}", store),
+                            rank=rank, world_size=world, timeout=timeout)
 
 
 def _serves(device: torch.device) -> bool:
