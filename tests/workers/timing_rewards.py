@@ -4,12 +4,13 @@ on PYTHONPATH). Each scores an image by its mean brightness (a signal the tiny m
 - Late: rank 1 takes MMRL_TEST_LATE_S seconds longer to build it (a reward model that loads slower on one rank).
 - Preempt: at the call of iteration MMRL_TEST_SIGNAL_AT, rank 0 sends SIGTERM to its launcher (torchrun), which
   forwards it to every worker: a cluster's preemption in the middle of an iteration.
-- Crash: on the first start only (TORCHELASTIC_RESTART_COUNT=0), rank 1 raises at iteration MMRL_TEST_CRASH_AT's
+- Crash: on the first start only (TORCHELASTIC_RESTART_COUNT=0), rank 1 exits at iteration MMRL_TEST_CRASH_AT's
   call: a worker that dies, for torchrun --max-restarts to bring back.
 """
 
 import os
 import signal
+import sys
 import time
 
 
@@ -44,5 +45,6 @@ class Crash(_Brightness):
     def __call__(self, outputs, examples):
         if (self.calls == int(os.environ["MMRL_TEST_CRASH_AT"]) and os.environ.get("RANK") == "1"
                 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-            raise RuntimeError("a worker dies (test)")
+            print("a worker dies (test)", file=sys.stderr, flush=True)
+            os._exit(17)  # the process dies (an exception would be a failed reward, counted and skipped)
         return self.score(outputs)
