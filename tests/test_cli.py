@@ -119,7 +119,7 @@ def test_user_errors_are_one_line_and_bugs_keep_their_traceback(tmp_path, capsys
              (["train", smoke, "reward.name=nope"], "reward.name: unknown reward 'nope'; valid: ["),
              (["train", smoke, "reward.name=no_such_module_here:score"],
               "reward 'no_such_module_here:score' could not be imported (ModuleNotFoundError"),
-             (["export", str(tmp_path / "no_checkpoint"), str(tmp_path / "out")], "has no mmrl_policy.json")]
+             (["export", str(tmp_path / "no_checkpoint"), str(tmp_path / "out")], str(tmp_path / "no_checkpoint"))]
     for argv, says in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
