@@ -30,6 +30,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from mmrl.errors import ConfigError
+
 MANIFEST = "manifest.json"
 STATE = "state"  # the DCP folder inside a checkpoint
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # FileSystemWriter's per-rank shard files
@@ -121,8 +123,8 @@ def load_into_policy(policy, folder: str, which: str = "ema") -> None:
         saved = read_tensors(folder, "model")
     missing = [n for n in names if n not in saved]
     if missing:
-        raise ValueError(f"{folder}: no saved weights for {missing[:3]} ...: the checkpoint was trained with another "
-                         f"model or model.lora settings than its config.json builds")
+        raise ConfigError(f"{folder}: no saved weights for {missing[:3]} ...: the checkpoint was trained with another "
+                          f"model or model.lora settings than its config.json builds")
     with torch.no_grad():
         for n, p in zip(names, params):
             p.copy_(saved[n])

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from mmrl.errors import MissingFile
+from mmrl.errors import ConfigError, MissingFile
 from mmrl.models.families import LoadOptions, families, family_for
 from mmrl.models.families.pixel import PARTS as PIXEL_PARTS
 from mmrl.models.flow_model import FlowModel
@@ -137,8 +137,8 @@ def load_into_shards(module: torch.nn.Module, folder: str, device: torch.device)
     missing = [n for n, _ in targets if n not in where]
     extra = sorted(set(where) - {n for n, _ in targets})
     if missing or extra:
-        raise ValueError(f"{folder}: the weight files do not match {type(module).__name__}'s config.json: missing "
-                         f"{missing[:5]}, unexpected {extra[:5]} ({len(missing)} / {len(extra)} in all)")
+        raise ConfigError(f"{folder}: the weight files do not match {type(module).__name__}'s config.json: missing "
+                          f"{missing[:5]}, unexpected {extra[:5]} ({len(missing)} / {len(extra)} in all)")
     by_file: dict[str, list] = {}
     for n, t in targets:
         by_file.setdefault(where[n], []).append((n, t))
@@ -149,8 +149,8 @@ def load_into_shards(module: torch.nn.Module, folder: str, device: torch.device)
                 h, read = safe_open(os.path.join(folder, f), "pt", device="cpu"), 0
             part = h.get_slice(n)
             if tuple(part.get_shape()) != tuple(t.shape):
-                raise ValueError(f"{folder}: {n} has shape {tuple(part.get_shape())} in {f}, the model expects "
-                                 f"{tuple(t.shape)}: is config.json the one these weights were saved with?")
+                raise ConfigError(f"{folder}: {n} has shape {tuple(part.get_shape())} in {f}, the model expects "
+                                  f"{tuple(t.shape)}: is config.json the one these weights were saved with?")
             local, rows = _local_slice(t)
             value = part[rows] if t.dim() else h.get_tensor(n)
             local.copy_(value.reshape(local.shape))
