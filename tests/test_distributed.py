@@ -97,16 +97,16 @@ def test_token_policy_ends_where_one_process_ends(tiny_vl, tiny_world, tmp_path)
 def test_tgrpo_contrast_under_fsdp_with_micro_batches_ends_where_one_process_ends(tiny_vl, tiny_world, tmp_path):
     """T-GRPO's shuffled-frame contrast rollout under FSDP2 with train.micro_batch (one prompt per decoding chunk):
     3 prompts on 2 ranks (1 group against 2), so without equal-work padding the ranks decode different numbers of
-    chunks and FSDP's all-gathers deadlock. Every rank samples its share of every rank's prompts, padded: 2
-    iterations end with the single-process parameters. The threshold (16 characters of the worker's length reward)
+    chunks and FSDP's all-gathers deadlock. Every rank samples its share of every rank's prompts, padded: an
+    iteration ends with the single-process parameters. The threshold (16 characters of the worker's length reward)
     splits the samples, so the contrast rewards decide which groups get the bonus (the test's numbers depend on
     them); 1e-5 as for the token policy above (prompts padded differently in smaller batches)."""
     opts = ["--world", tiny_world, "--set", "reward.name=dist_train:completion_length", "reward.kwargs={}",
             "algo.reward_shaping=tgrpo", "algo.tgrpo_threshold=16", "train.micro_batch=2", "train.prompts_per_iter=3",
             "train.group_size=4"]
-    one = run(tiny_vl, str(tmp_path / "one" / "vl.safetensors"), "--parallel", "none", "--steps", "2", *opts)
+    one = run(tiny_vl, str(tmp_path / "one" / "vl.safetensors"), "--parallel", "none", "--steps", "1", *opts)
     assert one.returncode == 0, one.stderr[-3000:]
-    r = run(tiny_vl, str(tmp_path / "fsdp" / "vl.safetensors"), "--parallel", "fsdp", "--steps", "2", *opts, procs=2)
+    r = run(tiny_vl, str(tmp_path / "fsdp" / "vl.safetensors"), "--parallel", "fsdp", "--steps", "1", *opts, procs=2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "world 2" in r.stdout
     d = max_diff(tmp_path / "one" / "vl.safetensors", tmp_path / "fsdp" / "vl.safetensors")
