@@ -28,7 +28,9 @@ L/cp tokens with all heads.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -36,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
+log = logging.getLogger(__name__)
+_propagating = False  # inside DTensor's sharding propagation (see fake_world)
 PHASES = ("startup", "sampling", "decode", "train", "save")
 
 
@@ -49,9 +53,15 @@ class PhaseTracker(MemTracker):
 
     _post_fw_hook = _pre_bw_hook = _post_bw_hook = lambda self, *args: None
 
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _propagating:  # DTensor infers an output's global shape by running the op on global-shape fake tensors
+            return func(*args, **(kwargs or {}))  # under the active FakeTensorMode: no memory of any rank
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
     def _update_peak_stats(self, peak_state) -> None:
         for dev, snap in self._curr_mem_snap.items():
-            self._peak_mem[dev] = max(self._peak_mem.get(dev, 0), snap[_TOTAL_KEY])
+            if snap[_TOTAL_KEY] > self._peak_mem.get(dev, 0):
+                self._peak_mem[dev], self._peak_mem_snap[dev] = snap[_TOTAL_KEY], dict(snap)
 
     def live(self) -> int:
         return sum(s[_TOTAL_KEY] for s in self._curr_mem_snap.values())
@@ -59,9 +69,13 @@ class PhaseTracker(MemTracker):
     @contextlib.contextmanager
     def phase(self, peaks: dict, name: str):
         """Track the block; peaks[name] = the most bytes live at once while it ran (what it found included)."""
+        start = time.perf_counter()
         with self:
             yield
         peaks[name] = max(self._peak_mem.values(), default=0)
+        log.debug("%s: peak %.2f GiB %s in %.1f s", name, peaks[name] / 2**30,
+                  {str(k): round(v / 2**30, 2) for snap in self._peak_mem_snap.values() for k, v in snap.items()},
+                  time.perf_counter() - start)
 
 
 @contextlib.contextmanager
@@ -69,6 +83,7 @@ def fake_world(size: int):
     """`size` ranks simulated in this process: rank 0 of a fake process group, under FakeTensorMode."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if size > 1 and dist.is_initialized():
@@ -85,11 +100,23 @@ def fake_world(size: int):
             return from_group(*args, **kwargs)
 
     DeviceMesh.from_group = staticmethod(real_from_group)
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def flagged(*args, **kwargs):
+        global _propagating
+        _propagating = True
+        try:
+            return propagate(*args, **kwargs)
+        finally:
+            _propagating = False
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = flagged
     try:
         with FakeTensorMode():
             yield
     finally:
         DeviceMesh.from_group = staticmethod(from_group)
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
         if size > 1:
             dist.destroy_process_group()
 
@@ -150,7 +177,7 @@ def measure(w: Workload, size: int, parallel: str, mixed_precision: str) -> dict
         trained = [wrap(m) for m in w.trained]  # in place: modules and closures keep their identity
         reference = [wrap(m) if w.shard_reference else m for m in w.reference]
         params = [p for m in trained for p in m.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-4)
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)  # torch's choice for CUDA tensors (the trainer's)
         tracker = PhaseTracker()
         tracker.track_external(*trained, *reference, *w.frozen)
         # ------------------------------------------------------------------------------------------ start-up
