@@ -18,7 +18,8 @@ all-gathers look like leaks. Every run therefore sets MALLOC_MMAP_THRESHOLD_=655
 unmapped), the same for 1 and 2 processes; --glibc-default measures without it.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_memory_dist.py              # ~170 M parameters, a few minutes
-    OMP_NUM_THREADS=1 python benchmarks/bench_memory_dist.py --quick      # 2 layers (~45 M), about a minute or two
+    OMP_NUM_THREADS=1 python benchmarks/bench_memory_dist.py --quick      # 2 layers (38 M), about 4 minutes
+    OMP_NUM_THREADS=1 python benchmarks/bench_memory_dist.py --dtype bfloat16   # model.dtype bf16 (+ bf16 compute)
 
 The last line is one JSON object: {"params", "peaks_mib": {run: {rank: {phase: MiB}}}, "model_mib", "ratio"}.
 """
@@ -90,15 +91,16 @@ def worker(spec: dict) -> None:
     tr.dist.close()
 
 
-def launch(model: str, world: int, out_dir: str, tmp: str, quick: bool, glibc_default: bool = False
-           ) -> dict[int, dict[str, float]]:
+def launch(model: str, world: int, out_dir: str, tmp: str, quick: bool, glibc_default: bool = False,
+           dtype: str = "float32") -> dict[int, dict[str, float]]:
     """Train + save, then resume, on `world` processes; {rank: {phase: peak MiB}}."""
     overrides = [f"model.path={model}", f"log.out_dir={out_dir}", "log.tensorboard=false", "log.progress=false",
                  "log.eval_at_start=false", "train.iterations=100", "train.time_budget_min=0", "log.save_every=1",
                  f"train.parallel={'fsdp' if world > 1 else 'none'}", "model.reference=auto", "algo.kl_coef=0.04",
                  "train.ema_decay=0.9", "train.prompts_per_iter=2", f"train.group_size={2 if quick else 4}",
                  "train.minibatches=1", "train.micro_batch=4", "sampler.num_steps=4", "sampler.sde_window_size=2",
-                 "sampler.sde_window_range=[0,2]", "task.eval_prompts=4"]
+                 "sampler.sde_window_range=[0,2]", "task.eval_prompts=4", f"model.dtype={dtype}",
+                 f"train.mixed_precision={'bf16' if dtype == 'bfloat16' else 'no'}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONPATH": os.getcwd(),
            **({} if glibc_default else {"MALLOC_MMAP_THRESHOLD_": "65536"})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] \
@@ -118,7 +120,9 @@ def launch(model: str, world: int, out_dir: str, tmp: str, quick: bool, glibc_de
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a 2-layer transformer (~45 M parameters), group size 2")
+    p.add_argument("--quick", action="store_true", help="a 2-layer transformer (38 M parameters), group size 2")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="model.dtype (the frozen reference's dtype; bfloat16 also sets train.mixed_precision=bf16)")
     p.add_argument("--world", type=int, default=2, help="processes of the FSDP2 run (default 2)")
     p.add_argument("--glibc-default", action="store_true", help="without MALLOC_MMAP_THRESHOLD_ (see above)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -132,7 +136,7 @@ def main() -> None:
         for name, model in (("base", BASE), ("big", big)):
             for world in (1, args.world):
                 peaks[f"{name}-{world}"] = launch(model, world, os.path.join(tmp, f"run-{name}-{world}"), tmp,
-                                                  args.quick, args.glibc_default)
+                                                  args.quick, args.glibc_default, args.dtype)
     phases = [*PHASES, "startup_resume"]
     model = {w: {r: {ph: peaks[f"big-{w}"][r][ph] - peaks[f"base-{w}"][r][ph] for ph in phases}
                  for r in peaks[f"big-{w}"]} for w in (1, args.world)}
@@ -144,8 +148,8 @@ def main() -> None:
     for ph in phases:
         print(f"{ph:16s}{one[ph]:12.0f}" + "".join(f"{model[args.world][r][ph]:10.0f} (x{ratio[r][ph]:.2f})"
                                                    for r in ratio))
-    print(json.dumps({"params": params, "world": args.world, "peaks_mib": peaks, "model_mib": model,
-                      "ratio": ratio, "worst_ratio": max(v for r in ratio.values() for v in r.values())}))
+    print(json.dumps({"params": params, "world": args.world, "dtype": args.dtype, "peaks_mib": peaks,
+                      "model_mib": model, "ratio": ratio, "worst_ratio": max(v for r in ratio.values() for v in r.values())}))
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ class FlowPolicy(PolicyDefaults):
             tr.requires_grad_(not self.lora)
             if self.lora:
                 tr.add_adapter(self.lora_config)
-            if self._ref_copy is not None:  # before the upcast: the reference keeps the checkpoint's dtype (model.dtype)
+            if self._ref_copy is not None:  # before the upcast: the reference keeps model.dtype (the checkpoint's)
                 self._ref_copy[name] = copy.deepcopy(tr).requires_grad_(False).eval()
             upcast_trainable(tr)  # on the meta device when loaded into shards: the shards are then made fp32
             tr.train()

@@ -57,7 +57,8 @@ def main():
     live_full, ref_full, ema_full = whole(live), whole(ref), whole(tr.ema.shadow)
     report = {
         **seen,
-        "live_sharded": all(hasattr(t, "to_local") for t in live), "ref_sharded": all(hasattr(t, "to_local") for t in ref),
+        "live_sharded": all(hasattr(t, "to_local") for t in live),
+        "ref_sharded": all(hasattr(t, "to_local") for t in ref),
         "ema_sharded": all(hasattr(t, "to_local") for t in tr.ema.shadow),
         "live_dtypes": sorted({str(t.dtype) for t in live}), "ref_dtypes": sorted({str(t.dtype) for t in ref}),
         "ema_dtypes": sorted({str(t.dtype) for t in tr.ema.shadow}),
