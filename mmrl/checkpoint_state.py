@@ -87,13 +87,19 @@ def save_state(tr, folder: str) -> None:
 def load_state(tr, folder: str, ema: bool) -> None:
     """Fill `tr`'s weights, optimizer state and (ema: saved and wanted) EMA shadow from the DCP `folder`, resharded
     to this run's layout; collective."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     sd = trainer_state_dict(tr, ema)
+    # a parameter that never had a gradient before the save (Qwen-Image's last block: its text stream's output is
+    # discarded) has no optimizer state there, but torch gives every parameter one here: leave it stateless, as the
+    # uninterrupted run has it (Adam starts it at its first gradient)
+    keys = FileSystemReader(folder).read_metadata().state_dict_metadata
+    saved = {k[len("optim.state."):].rsplit(".", 1)[0] for k in keys if k.startswith("optim.state.")}
+    sd["optim"]["state"] = {n: v for n, v in sd["optim"]["state"].items() if n in saved}
     with torch.no_grad(), _one_process(tr.dist.world == 1):
         dcp.load(sd, storage_reader=FileSystemReader(folder), process_group=tr.dist.cpu_group,
                  no_dist=tr.dist.world == 1)
-    set_optimizer_state_dict(trained_modules(tr.policy), tr.opt, sd["optim"])
+    set_optimizer_state_dict(trained_modules(tr.policy), tr.opt, sd["optim"], options=StateDictOptions(strict=False))
 
 
 def read_tensors(folder: str, prefix: str) -> dict[str, torch.Tensor]:
