@@ -8,7 +8,8 @@ a KL penalty (a frozen reference copy) and EMA: one Flow-GRPO iteration, a save,
 Each rank marks its phases in-process: the peak resident memory (VmHWM, reset through /proc/self/clear_refs after
 malloc_trim at each phase start) during start-up (imports, Trainer built and sharded), sampling (the rollout),
 training (the optimization of that rollout: forwards, backwards, the AdamW step, the EMA update), save (a mid-run
-checkpoint) and resume (a new Trainer loading it). Memory attributed to the model is that peak minus the same run's
+checkpoint), final_save (the run's last checkpoint, which also writes the loadable policy/ folder) and resume (a new
+Trainer loading the newest checkpoint). Memory attributed to the model is that peak minus the same run's
 peak on the 2.3 M-parameter shapes base; the ratio of a rank's model memory to one process's is reported per
 phase (the target: <= 0.6 on every rank at every phase).
 
@@ -36,7 +37,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "tasks/assets/shapes-base")
-PHASES = ("startup", "sampling", "training", "save", "resume")
+PHASES = ("startup", "sampling", "training", "save", "final_save", "resume")
 
 
 def build_model(path: str, layers: int) -> int:
@@ -86,6 +87,8 @@ def worker(spec: dict) -> None:
         tr.step(0)
         tr.iteration = 1
         marked("save", tr.save)()
+        tr.iteration = tr.cfg.train.iterations  # the run's last save: it also writes the policy/ export
+        marked("final_save", tr.save)()
     with open(f"{spec['out']}-{tr.dist.rank}.json", "w") as f:
         json.dump(marks, f)
     tr.dist.close()

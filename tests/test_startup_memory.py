@@ -114,3 +114,25 @@ def test_fsdp_builds_on_meta_and_loads_into_shards(tiny_pixel_model, tmp_path, d
         one, two = load_file(tmp_path / "one.safetensors"), load_file(tmp_path / "two.safetensors")
         diff = max((one[k] - two[k]).abs().max().item() for k in one)
         assert diff < 1e-6, f"FSDP loaded into shards differs from one process by {diff} after one iteration"
+
+
+def test_sharded_weight_files_load_through_their_index(tiny_pixel_model, tmp_path):
+    """A folder saved in several safetensors files (the hub's large models) beside an fp16 variant: the index's
+    files are read, the variant is not."""
+    from diffusers import SD3Transformer2DModel
+
+    from mmrl.models.pipelines import load_into_shards, meta_component, weight_files
+
+    ref = SD3Transformer2DModel.from_pretrained(os.path.join(tiny_pixel_model, "transformer"))
+    ref.save_pretrained(tmp_path / "transformer", max_shard_size="20KB")
+    ref.half().save_pretrained(tmp_path / "half", variant="fp16")
+    for f in os.listdir(tmp_path / "half"):
+        if f.endswith(".safetensors"):
+            os.replace(tmp_path / "half" / f, tmp_path / "transformer" / f)
+    assert os.path.isfile(tmp_path / "transformer" / "diffusion_pytorch_model.fp16.safetensors")
+    files = weight_files(str(tmp_path / "transformer"))
+    assert len(files) > 1 and not any("fp16" in f for f in files)
+    ref = SD3Transformer2DModel.from_pretrained(os.path.join(tiny_pixel_model, "transformer"))
+    m = meta_component(tiny_pixel_model, "transformer", torch.float32)
+    load_into_shards(m, str(tmp_path / "transformer"), torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values()))

@@ -75,6 +75,17 @@ def shardable_weights(folder: str) -> bool:
     return os.path.isdir(folder) and any(f.endswith(".safetensors") for f in os.listdir(folder))
 
 
+def weight_files(folder: str) -> list[str]:
+    """The safetensors files of a model folder: those its index (*.safetensors.index.json) names when sharded, else
+    the files without a variant infix (diffusion_pytorch_model.safetensors, not ...fp16.safetensors) if any."""
+    names = os.listdir(folder)
+    index = [f for f in names if f.endswith(".safetensors.index.json")]
+    if index:
+        return sorted(set(json.load(open(os.path.join(folder, index[0])))["weight_map"].values()))
+    files = sorted(f for f in names if f.endswith(".safetensors"))
+    return [f for f in files if f.count(".") == 1] or files
+
+
 def meta_component(folder: str, name: str, dtype: torch.dtype) -> torch.nn.Module:
     """The diffusers model `folder/name` (its config.json class) with its parameters on the meta device, in the
     dtypes `from_pretrained(dtype=dtype)` gives them (modules the class keeps in fp32 stay fp32); buffers are real
@@ -128,9 +139,8 @@ def load_into_shards(module: torch.nn.Module, folder: str, device: torch.device)
     from safetensors import safe_open
 
     materialize(module, device)
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     where: dict[str, str] = {}
-    for f in files:
+    for f in weight_files(folder):
         with safe_open(os.path.join(folder, f), "pt") as h:
             where.update({k: f for k in h.keys()})
     targets = [*module.named_parameters(), *_persistent_buffers(module)]
