@@ -131,7 +131,7 @@ def test_bench_reward_server_quick():
     assert k["error"] and k["tries"] == 3 and k["seconds_to_error"] < k["bound_s"]
 
 
-@pytest.mark.slow  # ~7 min: 17 recipes, each 3 iterations, 3 evaluations, 3 saves, a resume; every config still
+@pytest.mark.slow  # ~200 s: 17 recipes, each 3 iterations, 3 evaluations, 3 saves, a resume; every config still
 def test_gpu_check_runs_every_gpu_config_on_cpu():  # loads and validates in test_config.py
     """The GPU acceptance script's runs (bf16, gradient checkpointing, micro-batches; 2 iterations, each saved and
     evaluated, then a resume that trains iteration 3) on CPU; on a machine without CUDA the default (--device cuda)
