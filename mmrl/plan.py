@@ -84,7 +84,7 @@ def _check_layout(cfg, world: int, cp: int, folder: bool) -> None:
 
 
 def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int = 1, cp: int = 1,
-         measured: bool = True) -> dict:
+         measured: bool = True, device: str = "cuda") -> dict:
     """The per-GPU cost of one iteration of config `cfg` (see the module docstring).
 
     Args:
@@ -94,6 +94,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
         cp: context-parallel ranks per process (one forward's video tokens split cp ways); world x cp GPUs.
         measured: also run one iteration on fake tensors under a fake process group (mmrl/plan_measure.py) for the
             per-phase peaks (startup_gib ... save_gib, peak_gib); False: the parts by hand only (faster).
+        device: what the run trains on: "cuda" (AdamW's multi-tensor step, torch's default there) or "cpu".
     Returns:
         sizes in bytes / 2**30 (keys ending in _gib), parameter and row counts, TFLOP per iteration.
     """
@@ -248,8 +249,9 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
         if t.gradient_checkpointing:
             model.gradient_checkpointing_enable() if hasattr(model, "gradient_checkpointing_enable") \
                 else model.enable_gradient_checkpointing()
-        peaks = measure(workload(), shard, t.parallel, t.mixed_precision)
-        out.update({f"{k}_gib": peaks[k] / GiB for k in PHASES}, peak_gib=max(peaks.values()) / GiB)
+        peaks = measure(workload(), shard, t.parallel, t.mixed_precision, foreach=device == "cuda")
+        out.update({f"{k}_gib": peaks[k] / GiB for k in PHASES}, peak_gib=max(peaks[k] for k in PHASES) / GiB,
+                   **{f"{k}_added_gib": peaks[k + "_added"] / GiB for k in PHASES})
         out["total_gib"] = out["peak_gib"]
     return out
 

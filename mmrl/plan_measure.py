@@ -9,12 +9,13 @@ Phases (what one rank holds at its peak; every rank of a fake world runs the sam
 no different: it reads weights into host memory and broadcasts one tensor at a time, which every rank receives whole
 before keeping its shard):
   startup   the trained weights (fp32, sharded under FSDP), the frozen KL reference copy (full fine-tuning; at
-            model.dtype, sharded like the live copy), text encoders and VAE (replicated at model.dtype), AdamW state
-            (2 x fp32, sharded), EMA (fp32, sharded), plus the largest tensor received whole while loading;
+            model.dtype, sharded like the live copy), text encoders and VAE (replicated at model.dtype), EMA (fp32,
+            sharded), plus the largest tensor received whole while loading;
   sampling  + what a rank keeps from sampling to training (rollout storage, prompt-embedding cache) and the chain of
             latents of its rows, + one no-grad transformer forward of a sampling chunk (CFG doubles its rows);
   decode    + the VAE decode of one sampling chunk (the chain freed);
-  train     + the KL reference's no-grad forward when the objective needs it, two micro-batches' forward and
+  train     + AdamW's state (2 x fp32, sharded; made by the first step, held from then on), the KL reference's
+            no-grad forward when the objective needs it, two micro-batches' forward and
             backward (the first under `no_sync` when an optimizer step has several: FSDP2 then accumulates
             unsharded gradients), the AdamW step and the EMA update;
   save      + the EMA swapped in and each trained tensor gathered whole, one at a time (what a save holds on top of
@@ -68,11 +69,13 @@ class PhaseTracker(MemTracker):
 
     @contextlib.contextmanager
     def phase(self, peaks: dict, name: str):
-        """Track the block; peaks[name] = the most bytes live at once while it ran (what it found included)."""
-        start = time.perf_counter()
+        """Track the block: peaks[name] = the most bytes live at once while it ran (what it found included),
+        peaks[name + "_added"] = that minus what it found."""
+        start, found = time.perf_counter(), self.live()
         with self:
             yield
         peaks[name] = max(self._peak_mem.values(), default=0)
+        peaks[name + "_added"] = peaks[name] - found
         log.debug("%s: peak %.2f GiB %s in %.1f s", name, peaks[name] / 2**30,
                   {str(k): round(v / 2**30, 2) for snap in self._peak_mem_snap.values() for k, v in snap.items()},
                   time.perf_counter() - start)
@@ -166,8 +169,10 @@ class Workload:
     extra: dict = field(default_factory=dict)
 
 
-def measure(w: Workload, size: int, parallel: str, mixed_precision: str) -> dict[str, int]:
-    """Peak bytes per GPU of each phase (PHASES) of workload `w` on a rank of `size` (world x cp) ranks."""
+def measure(w: Workload, size: int, parallel: str, mixed_precision: str, foreach: bool = True) -> dict[str, int]:
+    """Peak bytes per GPU of each phase (PHASES) of workload `w` on a rank of `size` (world x cp) ranks, and what
+    each added to the bytes it found (`<phase>_added`). foreach: AdamW's multi-tensor step (torch's choice on CUDA;
+    its temporaries are a few copies of the sharded state), else the per-tensor one (torch's choice on CPU)."""
     from mmrl.optim import EMA
 
     peaks: dict[str, int] = {}
@@ -177,7 +182,7 @@ def measure(w: Workload, size: int, parallel: str, mixed_precision: str) -> dict
         trained = [wrap(m) for m in w.trained]  # in place: modules and closures keep their identity
         reference = [wrap(m) if w.shard_reference else m for m in w.reference]
         params = [p for m in trained for p in m.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)  # torch's choice for CUDA tensors (the trainer's)
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
         tracker = PhaseTracker()
         tracker.track_external(*trained, *reference, *w.frozen)
         # ------------------------------------------------------------------------------------------ start-up
@@ -186,9 +191,6 @@ def measure(w: Workload, size: int, parallel: str, mixed_precision: str) -> dict
             largest = max((p for m in trained + reference for p in m.parameters()), key=lambda p: p.numel())
             whole = torch.empty(largest.shape, dtype=largest.dtype)
             del whole
-            for p in params:  # what AdamW's first step creates (torch.optim.AdamW._init_group), sharded like p
-                opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                "exp_avg_sq": torch.zeros_like(p)}
             ema = EMA(params, w.ema_decay) if w.ema_decay > 0 else None
         # ------------------------------------------------------------------------------------------ sampling
         with tracker.phase(peaks, "sampling"), torch.no_grad():
@@ -200,9 +202,13 @@ def measure(w: Workload, size: int, parallel: str, mixed_precision: str) -> dict
             with tracker.phase(peaks, "decode"), torch.no_grad():
                 w.decode()
         else:
-            peaks["decode"] = tracker.live()
+            peaks["decode"], peaks["decode_added"] = tracker.live(), 0
         # ------------------------------------------------------------------------------------------ training
         with tracker.phase(peaks, "train"):
+            with torch.no_grad():  # a later iteration's: AdamW's state (its first step makes it), sharded like p
+                for p in params:
+                    opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                    "exp_avg_sq": torch.zeros_like(p)}
             for i in range(2 if w.passes_per_step > 1 else 1):
                 if w.needs_reference:
                     with torch.no_grad():
