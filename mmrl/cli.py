@@ -140,7 +140,7 @@ def run(args) -> int:
         from mmrl.plan import format_plan, plan
 
         res = plan(cfg, args.arch, args.prompt_tokens, args.world,
-                   args.cp if args.cp is not None else cfg.train.context_parallel)
+                   args.cp if args.cp is not None else cfg.train.context_parallel, measured=True)
         print(format_plan(res))
         print(json.dumps(res))
         return 0

@@ -84,7 +84,7 @@ def _check_layout(cfg, world: int, cp: int, folder: bool) -> None:
 
 
 def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int = 1, cp: int = 1,
-         measured: bool = True, device: str = "cuda") -> dict:
+         measured: bool = False, device: str = "cuda") -> dict:
     """The per-GPU cost of one iteration of config `cfg` (see the module docstring).
 
     Args:
@@ -93,7 +93,8 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
         world: data-parallel processes (each samples ceil(B / world) whole groups).
         cp: context-parallel ranks per process (one forward's video tokens split cp ways); world x cp GPUs.
         measured: also run one iteration on fake tensors under a fake process group (mmrl/plan_measure.py) for the
-            per-phase peaks (startup_gib ... save_gib, peak_gib); False: the parts by hand only (faster).
+            per-phase peaks (startup_gib ... save_gib, peak_gib; `mmrl plan` does); False: the parts by hand only
+            (seconds instead of minutes at real size).
         device: what the run trains on: "cuda" (AdamW's multi-tensor step, torch's default there) or "cpu".
     Returns:
         sizes in bytes / 2**30 (keys ending in _gib), parameter and row counts, TFLOP per iteration.
@@ -282,7 +283,11 @@ def format_plan(p: dict) -> str:
              f"{p['rank_rows_per_minibatch_planned']} (exceeded in < 1e-6 of minibatches), most "
              f"{p['rank_rows_per_minibatch_max']}",
              f"  peak sampling         {g('peak_sampling_gib')}   peak training {g('peak_training_gib')}",
-             f"  total (this config)   {g('total_gib')}",
+             *([f"  measured per GPU      start-up {g('startup_gib')}   sampling {g('sampling_gib')}   decode "
+                f"{g('decode_gib')}   training {g('train_gib')}   save {g('save_gib')}",
+                f"                        (fake tensors, world {p['sharded_over']} fake process group, torch MemTracker: "
+                f"mmrl/plan_measure.py)"] if "peak_gib" in p else []),
+             f"  total (this config)   {g('total_gib')}{'' if 'peak_gib' in p else ' (by hand; measured: mmrl plan)'}",
              f"  TFLOP / iteration     sampling {p['tflop_per_iter_sampling']:.1f} ({p['rows_sampled_per_iter']} rows), "
              f"training {p['tflop_per_iter_training']:.1f} ({p['rows_trained_per_iter']} rows x fwd+bwd); per GPU "
              f"{p['tflop_per_gpu_per_iter']:.1f} ({p['rows_sampled_per_rank_per_iter']} rows sampled, "
