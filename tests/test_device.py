@@ -95,12 +95,35 @@ def test_offloaded_parts_wait_on_cpu(tiny_pixel_model, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py runs it on a GPU machine)")
 @pytest.mark.parametrize("policy", ["flow", "token"])
-def test_step_on_cuda(policy, tiny_pixel_model, tiny_vl, tiny_world, tmp_path):
+def test_step_on_cuda(policy, request, tmp_path):
+    # fixtures by name: the token policy's world needs PyAV (its mp4 files), the flow policy's model does not
     common = [f"log.out_dir={tmp_path}", "log.tensorboard=false", "log.eval_at_start=false"]
     if policy == "flow":
+        tiny_pixel_model = request.getfixturevalue("tiny_pixel_model")
         step_on_fake("configs/tiny/flow_smoke.yaml", [f"model.path={tiny_pixel_model}", "algo.kl_coef=0.1", *common],
                      "cuda")
     else:
+        tiny_vl, tiny_world = request.getfixturevalue("tiny_vl"), request.getfixturevalue("tiny_world")
         step_on_fake("configs/tiny/vlm_smoke.yaml", [f"model.path={tiny_vl}", f"task.kwargs.root={tiny_world}",
                                                      "task.kwargs.train_videos=6", "task.kwargs.test_videos=3", *common],
                      "cuda")
+
+
+def test_offloaded_vae_decodes_on_the_accelerator(tmp_path):
+    """model.offload with a latent family (FLUX.1: its VAE is among the frozen parts): the VAE rests on the CPU and
+    visits the accelerator to decode the rollout's images (it was left on the CPU: 'Input type (CUDABFloat16Type)
+    and weight type (CPUBFloat16Type)' on an H200, configs/t2i/flux2_dev_lora.yaml)."""
+    from mmrl.models.families import families
+
+    flux = next(f for f in families() if f.name == "flux")
+    path = str(tmp_path / "flux")
+    flux.tiny(0).save_pretrained(path)
+    cfg = load_config("configs/tiny/flow_smoke.yaml", [
+        f"model.path={path}", f"log.out_dir={tmp_path / 'run'}", "log.tensorboard=false", "log.eval_at_start=false",
+        "model.device=meta", "model.offload=true", "model.sample_size=8"])
+    with fake_accelerator() as dev:
+        tr = Trainer(cfg)
+        assert tr.policy.autoencoders
+        tr.step(0)
+        assert all(p.device.type == "cpu" for m in tr.policy.autoencoders for p in m.parameters())
+        assert all(p.device == dev for p in tr.policy.transformer.parameters())

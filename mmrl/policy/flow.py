@@ -54,9 +54,8 @@ class FlowPolicy(PolicyDefaults):
         self.model_options = model_options or {}  # how the base was loaded (sample_size ...), kept in checkpoints
         first = next(model.transformer.parameters())
         # the experts built on the meta device: their weights are read into shards once FSDP has split them
-        self._pending = [n for n, tr in self.experts() if next(tr.parameters()).is_meta]
-        if self._pending and device is None:
-            raise ValueError("transformers built on the meta device need the policy's `device`")
+        # (only when `device` is given: the fake accelerator of the tests also reports the meta device type)
+        self._pending = [n for n, tr in self.experts() if next(tr.parameters()).is_meta] if device is not None else []
         self.device = torch.device(device) if self._pending else first.device
         self.lora = bool(lora_cfg.enabled)
         if self.lora:
@@ -105,6 +104,11 @@ class FlowPolicy(PolicyDefaults):
         else:
             start = lo + draw
         return list(range(start, start + size))
+
+    @property
+    def autoencoders(self) -> list[torch.nn.Module]:
+        """The frozen parts that decode (and encode) images: the VAE among the model's frozen modules."""
+        return [m for m in self.model.text_modules if hasattr(m, "decode")]
 
     @contextlib.contextmanager
     def _onload(self, modules):
@@ -215,7 +219,8 @@ class FlowPolicy(PolicyDefaults):
             }
             old_log_prob = traj.log_prob[:, p]
         extras.update(enc=enc, pooled=pooled)                            # [N, L, D], [N, P]
-        images = in_chunks(self.model.decode, self.micro_batch, traj.latents[:, -1])  # the VAE stays on the device
+        with self._onload(self.autoencoders):  # model.offload: the VAE visits the device to decode
+            images = in_chunks(self.model.decode, self.micro_batch, traj.latents[:, -1])
         return Rollout(group_id=group_ids(len(texts), group_size)[rows], old_log_prob=old_log_prob,
                        action_mask=torch.ones(old_log_prob.shape, dtype=torch.bool),
                        examples=[examples[i // group_size] for i in rows.tolist()], outputs=images, extras=extras)
@@ -238,7 +243,8 @@ class FlowPolicy(PolicyDefaults):
         images = torch.stack([load_image(examples[i // g]["outputs"][i % g], side) for i in picked])  # [n, 3, s, s]
         row_examples = [{**examples[i // g], "label": float(examples[i // g].get("labels", [0.0] * g)[i % g])}
                         for i in picked]
-        x0 = self.model.encode_latents(images.to(self.device))                       # [n, *latent_shape]
+        with self._onload(self.autoencoders):
+            x0 = self.model.encode_latents(images.to(self.device))                   # [n, *latent_shape]
         cond = self.images(row_examples)
         enc, pooled = self.encode([ex["prompt"] for ex in row_examples], cond)
         extras, old_log_prob = self._forward_actions(x0, enc, pooled, [seeds[i] for i in picked], cond)
