@@ -16,18 +16,13 @@ WORKER = os.path.join(ROOT, "tests/workers/startup_shards.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONPATH": ROOT}
 
 
-def reports(stdout: str) -> dict[int, dict]:
-    return {int(line.split(":")[0].split()[1]): json.loads(line.split(":", 1)[1])
-            for line in stdout.splitlines() if line.startswith("rank ")}
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_meta_component_loads_what_from_pretrained_loads(tiny_pixel_model, dtype):
     """Same names, dtypes and values as diffusers' from_pretrained (SD3's positional table is a buffer the
     constructor computes: it stays real on the meta model)."""
     from diffusers import SD3Transformer2DModel
 
-    from mmrl.models.pipelines import load_into_shards, meta_component
+    from mmrl.models.shard_load import load_into_shards, meta_component
 
     ref = SD3Transformer2DModel.from_pretrained(os.path.join(tiny_pixel_model, "transformer"), dtype=dtype)
     m = meta_component(tiny_pixel_model, "transformer", dtype)
@@ -44,7 +39,7 @@ def test_a_meta_component_keeps_the_modules_its_class_keeps_in_fp32(tmp_path):
     from diffusers import WanTransformer3DModel
 
     from mmrl.models.families.wan import tiny_transformer
-    from mmrl.models.pipelines import load_into_shards, meta_component
+    from mmrl.models.shard_load import load_into_shards, meta_component
 
     torch.manual_seed(0)
     tiny_transformer().save_pretrained(tmp_path / "transformer")
@@ -60,7 +55,7 @@ def test_a_meta_component_keeps_the_modules_its_class_keeps_in_fp32(tmp_path):
 def test_weight_files_that_do_not_match_the_config_are_refused(tiny_pixel_model, tmp_path):
     from safetensors.torch import save_file
 
-    from mmrl.models.pipelines import load_into_shards, meta_component
+    from mmrl.models.shard_load import load_into_shards, meta_component
 
     sd = load_file(os.path.join(tiny_pixel_model, "transformer", "diffusion_pytorch_model.safetensors"))
     sd.pop("proj_out.weight")
@@ -97,7 +92,7 @@ def test_fsdp_builds_on_meta_and_loads_into_shards(tiny_pixel_model, tmp_path, d
     r = subprocess.run([*launch, WORKER, tiny_pixel_model, str(tmp_path / "two.safetensors"), "--dtype", dtype],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    got = reports(r.stdout)
+    got = {rank: json.load(open(f"{tmp_path / 'two.safetensors'}.rank{rank}.json")) for rank in (0, 1)}
     ref_dtype = "torch.bfloat16" if dtype == "bfloat16" else "torch.float32"
     for rank in (0, 1):
         rep = got[rank]
@@ -121,7 +116,7 @@ def test_sharded_weight_files_load_through_their_index(tiny_pixel_model, tmp_pat
     files are read, the variant is not."""
     from diffusers import SD3Transformer2DModel
 
-    from mmrl.models.pipelines import load_into_shards, meta_component, weight_files
+    from mmrl.models.shard_load import load_into_shards, meta_component, weight_files
 
     ref = SD3Transformer2DModel.from_pretrained(os.path.join(tiny_pixel_model, "transformer"))
     ref.save_pretrained(tmp_path / "transformer", max_shard_size="20KB")

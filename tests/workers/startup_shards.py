@@ -3,8 +3,8 @@ shards (full fine-tuning with a frozen KL reference and EMA), then trains one it
 
     torchrun --nproc_per_node 2 tests/workers/startup_shards.py MODEL OUT [--dtype bfloat16]
 
-Each rank checks what it holds and prints one JSON line ("rank R: {...}"); rank 0 writes OUT (safetensors) with the
-whole trained parameters after one iteration (p0, p1, ... in parameter order).
+Each rank checks what it holds and writes it to OUT.rankR.json (ranks' prints would interleave); rank 0 writes OUT
+(safetensors) with the whole trained parameters after one iteration (p0, p1, ... in parameter order).
 """
 
 import argparse
@@ -68,7 +68,8 @@ def main():
         "ref_equals_disk": all(torch.equal(f, disk[n].to(f.dtype)) for n, f in zip(names, ref_full)),
         "ema_equals_live": all(torch.equal(a, b) for a, b in zip(ema_full, live_full)),
     }
-    print(f"rank {tr.dist.rank}: {json.dumps(report)}", flush=True)
+    with open(f"{args.out}.rank{tr.dist.rank}.json", "w") as f:
+        json.dump(report, f)
     tr.step(0)
     trained = whole(tr.params)
     if tr.dist.main:
