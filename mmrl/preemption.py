@@ -65,3 +65,22 @@ class StopRequests:
 def restarted() -> int:
     """How many times torchrun has restarted this job's workers (TORCHELASTIC_RESTART_COUNT; 0 for a first start)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def stop_run(trainer, signum: int | None) -> None:
+    """A signal reached some rank of `trainer` (mmrl.trainer.Trainer): every rank saves the iteration just finished
+    (unless it is saved) and exits with 128 + the signal's number (`Preempted`); the run continues with --resume, or
+    by itself under a torchrun restart."""
+    signum = trainer.dist.broadcast_object(signum) or int(signal.SIGTERM)  # rank 0 may not have been signalled
+    path = trainer.saved_path
+    if trainer.iteration and trainer.saved_at != trainer.iteration:  # the same branch on every rank (a collective)
+        path = trainer.save()
+    trainer.logger.close()
+    trainer.collect.close()
+    name = signal.Signals(signum).name
+    msg = (f"stopped by {name} after iteration {trainer.iteration}; checkpoint {path}. Continue with the same command "
+           f"and --resume") if trainer.iteration else f"stopped by {name} before the first iteration; nothing saved"
+    if trainer.dist.main:
+        log.warning("%s", msg)
+    trainer.dist.close()
+    raise Preempted(signum, msg)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -33,11 +34,13 @@ from mmrl.evaluation import EVAL_SEED, evaluate_outputs
 from mmrl.metrics import Logger, SignalWatch, Timer, per_category, perf
 from mmrl.rollout.collect import Collector
 from mmrl.rollout.contrast import contrast_rollout
+from mmrl.train_stats import PassStats
 from mmrl.optim import EMA, lr_scale
-from mmrl.preemption import Preempted, StopRequests
+from mmrl.preemption import StopRequests, stop_run
 from mmrl.reward import MultiReward, RewardRunner
 
 log = logging.getLogger(__name__)
+MAX_NONFINITE_STEPS = 3  # optimizer steps in a row with a non-finite gradient before the run stops
 
 
 class Trainer:
@@ -76,6 +79,7 @@ class Trainer:
         self.watch = SignalWatch(cfg.reward, cfg.task.name, cfg.train.zero_signal_patience)
         self.timed_evals: list[dict] = []
         self.eval_start: dict | None = None  # the base model's held-out figures (kept across a resume)
+        self.nonfinite = 0  # optimizer steps in a row skipped for a non-finite gradient
         self.saved_at, self.saved_path = -1, None  # the iteration of this process's last save, and its folder
         self.elapsed_min = 0.0  # training minutes so far (saved: a resumed run keeps its budget and lr schedule)
         # One optimizer step per epoch: every row's first forward runs under the sampling weights, so the rollout's
@@ -117,7 +121,7 @@ class Trainer:
                              metrics["reward/overall_mean"], metrics.get("train/loss", 0.0),
                              metrics["perf/iteration_s"], self.elapsed_min)
                 if stopping:
-                    self.preempt(stop.signum)
+                    stop_run(self, stop.signum)
                 out_of_time = t.time_budget_min > 0 and self.elapsed_min >= t.time_budget_min
                 last = self.iteration == t.iterations or out_of_time
                 timed = cfg.log.eval_every_min and \
@@ -133,7 +137,7 @@ class Trainer:
                                 self.iteration)
                     break
             if self.dist.decide(0.0, stop.signum is not None)[1]:  # signalled during the last iteration's evaluation
-                self.preempt(stop.signum)
+                stop_run(self, stop.signum)
         results["eval_end"] = self.evaluate(self.iteration)
         results["eval_timed"] = self.timed_evals  # log.eval_every_min: [{minutes, iteration, metrics...}]
         results["iterations"] = self.iteration
@@ -143,26 +147,6 @@ class Trainer:
         self.logger.close()
         self.collect.close()
         return results
-
-    def preempt(self, signum: int | None) -> None:
-        """A signal reached some rank: every rank saves the iteration just finished (unless it is saved) and exits
-        with 128 + the signal's number (`Preempted`); the run continues with --resume, or by itself under a
-        torchrun restart."""
-        import signal
-
-        signum = self.dist.broadcast_object(signum) or int(signal.SIGTERM)  # rank 0 may not have been signalled
-        path = self.saved_path
-        if self.iteration and self.saved_at != self.iteration:  # the same branch on every rank (a save is collective)
-            path = self.save()
-        self.logger.close()
-        self.collect.close()
-        name = signal.Signals(signum).name
-        msg = (f"stopped by {name} after iteration {self.iteration}; checkpoint {path}. Continue with the same command "
-               f"and --resume") if self.iteration else f"stopped by {name} before the first iteration; nothing saved"
-        if self.dist.main:
-            log.warning("%s", msg)
-        self.dist.close()
-        raise Preempted(signum, msg)
 
     def step(self, it: int) -> dict:
         cfg, t, a = self.cfg, self.cfg.train, self.cfg.algo
@@ -230,8 +214,7 @@ class Trainer:
         n_total = len(row_actions)
         local = torch.full((n_total,), -1, dtype=torch.long)
         local[rows] = torch.arange(len(rows))                    # single-process position -> this rank's row
-        stats: dict[str, list] = {}
-        ratios, steps = [], 0
+        stats, steps = PassStats(), 0
         pad = next(micro_batches(rollout.action_mask, torch.tensor([0]), t.micro_batch, self.policy.scores_actions))
         for epoch in range(t.inner_epochs):
             gen = torch.Generator().manual_seed(t.seed + 7919 * epoch + self.iteration)
@@ -255,41 +238,42 @@ class Trainer:
                     # micro_batch trained actions, not all of them: a padding pass costs what a real one does)
                     part, actions, weight = (*parts[j], 1.0) if j < len(parts) else (*pad, 0.0)
                     with self.dist.no_sync(not (syncs and j == passes - 1)):
-                        loss += self._accumulate(rollout, part, actions, adv, n_step, a_step, weight, steps, stats,
-                                                 ratios)
+                        loss += self._accumulate(rollout, part, actions, adv, n_step, a_step, weight, steps, stats)
                 # the minibatch's loss: the ranks' parts add up to it (each is normalized by the global counts / w)
-                stats.setdefault("loss", []).append((loss / w, int(self.dist.main)))
+                stats.put("loss", loss / w, int(self.dist.main))
                 if syncs:
-                    stats.setdefault("grad_norm", []).append(
-                        (full(torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm)).item(), 1))
-                    self.opt.step()
-                    self.opt.zero_grad(set_to_none=True)
-                    if self.ema is not None:
-                        self.ema.update()
-                    steps += 1
-        out = {f"train/{k}": v for k, v in self.dist.mean_stats(stats).items()}  # every rank's passes
-        out["train/clip_frac"] = out.pop("train/clipped", 0.0)
-        out["train/ratio_mean"] = out.pop("train/ratio", 1.0)
-        labels = rollout.extras.get("step_index")
-        sums = self.dist.gather_list([(torch.stack([r for r, _ in ratios]).sum(0).tolist(),
-                                       torch.stack([c for _, c in ratios]).sum(0).tolist())] if ratios else [])
-        width = max((len(r) for r, _ in sums), default=0)       # token policies: completions differ in length
-        per_action = [sum(r[j] for r, _ in sums if j < len(r)) / max(sum(c[j] for _, c in sums if j < len(c)), 1)
-                      for j in range(width)]
-        for j, r in enumerate(per_action):
-            out[f"ratio_per_action/{int(labels[0, j]) if labels is not None and j < labels.shape[1] else j}"] = r
+                    steps += self.step_optimizer(stats)
+        out = stats.summary(self.dist, rollout.extras.get("step_index"))  # every rank's passes
         out["train/optimizer_steps"] = steps
-        if "train/first_ratio_dev" in out and out["train/first_ratio_dev"] > t.ratio_warn > 0:
-            log.warning("iteration %d: the first pass's |ratio - 1| is %.3g (train.ratio_warn=%g): the rollout's log-probs "
-                        "differ from the trainer's under the same weights (sampling engine, precision, nondeterminism)",
-                        self.iteration, out["train/first_ratio_dev"], t.ratio_warn)
+        stats.warn(out, t.ratio_warn, self.iteration)
         if steps:  # an engine with its own weight copy (vLLM) reloads
             self.policy.sync_weights()
         return out
 
-    def _accumulate(self, rollout, idx, actions, adv, n_step, a_step, weight, steps, stats, ratios) -> None:
+    def step_optimizer(self, stats: PassStats) -> int:
+        """Clip and step (and update the EMA); 1, or 0 when the gradient is not finite: the step is skipped, so a NaN
+        never reaches the weights (the norm is global, so every rank skips alike). Several in a row stop the run."""
+        norm = full(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)).item()
+        stats.put("grad_norm", norm if math.isfinite(norm) else 0.0, 1)
+        stats.put("skipped_steps", float(not math.isfinite(norm)), 1)
+        if math.isfinite(norm):
+            self.opt.step()
+            if self.ema is not None:
+                self.ema.update()
+        self.opt.zero_grad(set_to_none=True)
+        self.nonfinite = 0 if math.isfinite(norm) else self.nonfinite + 1
+        if self.nonfinite:
+            log.warning("iteration %d: the gradient norm is %s: optimizer step skipped", self.iteration, norm)
+        if self.nonfinite >= MAX_NONFINITE_STEPS:
+            raise RuntimeError(f"{self.nonfinite} optimizer steps in a row had a non-finite gradient (skipped): the loss "
+                               f"is out of range. Lower train.lr, train in fp32 (model.dtype=float32, train.mixed_precision=no) "
+                               f"or check the reward for inf values")
+        return int(math.isfinite(norm))
+
+    def _accumulate(self, rollout, idx, actions, adv, n_step, a_step, weight, steps, stats: PassStats) -> float:
         """Forward and backward of rows `idx` (only `actions` [n, A] when given) with the loss normalized by the
-        optimizer step's sizes: the gradients of the parts add up to the gradient of the whole minibatch."""
+        optimizer step's sizes: the gradients of the parts add up to the gradient of the whole minibatch. Returns the
+        part's loss; its statistics go to `stats`."""
         kw, obj = ({} if actions is None else {"actions": actions}), self.objective
         ref = None
         if obj.needs_reference:  # before the forward with gradients (EMA: swapped in place; the policy's precision)
@@ -301,7 +285,8 @@ class Trainer:
         deferred = torch.isnan(rollout.old_log_prob[idx])
         if deferred.any():  # fill deferred old log-probs from this first forward (weights unchanged)
             if steps:
-                raise RuntimeError("deferred old log-probs reached after an optimizer step")
+                raise RuntimeError("the rollout's old log-probs are NaN after an optimizer step: the sampling forward "
+                                   "was not finite (deferred old log-probs are only filled before the first step)")
             old = rollout.old_log_prob[idx]
             rollout.old_log_prob[idx] = torch.where(deferred, out.log_prob.detach().to(old), old)
         dev = out.log_prob.device  # the loss runs where the log-probs are; bookkeeping comes from CPU
@@ -311,31 +296,9 @@ class Trainer:
         loss_a, s = obj.per_action(Batch(None, mb.old_log_prob, adv[idx].to(dev), mb.group_id, part, mb, out, ref))
         loss = obj.aggregate(loss_a * part, mask, n_step, a_step) * weight
         loss.backward()
-        if not weight:  # a padding pass: no statistics
-            return 0.0
-        # statistics as (sum, count) over this part's actions: every rank's parts add up to one set of numbers
-        def add(k, v, where=part):  # a per-action statistic, averaged over `where`
-            stats.setdefault(k, []).append((v.detach()[where].float().sum().item(), int(where.sum())))
-
-        if not steps:  # the rollout's log-probs against the trainer's, same weights: 0 unless they disagree
-            add("first_ratio_dev", (torch.exp(out.log_prob.detach() - mb.old_log_prob) - 1).abs())
-        for k, v in s.items():  # the objective's statistics: [n, A], or (values, mask)
-            if isinstance(v, tuple):
-                if v[1].any():
-                    add(k, *v)
-            else:
-                add(k, v)
-        if "rollout_log_prob" in mb.extras:  # the engine's log-probs against the trainer's old ones (TIS's ratio)
-            known = torch.isfinite(mb.extras["rollout_log_prob"]).to(dev) & part
-            if known.any():
-                dev_ = (torch.exp(mb.old_log_prob - mb.extras["rollout_log_prob"].to(dev)) - 1).abs()
-                stats.setdefault("engine_ratio_dev", []).append((dev_[known].sum().item(), int(known.sum())))
-        add("approx_kl", 0.5 * (out.log_prob.detach() - mb.old_log_prob) ** 2)
-        for k, v in out.stats.items():  # per-action policy statistics, e.g. token entropy
-            if v.shape == out.log_prob.shape:
-                add(f"policy_{k}", v)
-        ratios.append(((s["ratio"] * part).sum(0), part.sum(0)))
-        return loss.item()
+        if weight:  # a padding pass has no statistics
+            stats.add_pass(out, mb, s, part, first=not steps)
+        return loss.item() if weight else 0.0
 
     # -------------------------------------------------------------------------------------------- helpers
     def ema_weights(self):

@@ -12,14 +12,14 @@ PACKAGES = ("mmrl", "rewards", "tasks")
 # low -> high; a module may import modules of its own layer or below (and the whole graph is acyclic).
 # "x.*" is the package x and everything under it.
 LAYERS = [
-    # 0 leaves: import nothing from mmrl (config_files: only the config; any: the user errors)
-    ["mmrl", "mmrl.errors", "mmrl.registry", "mmrl.config", "mmrl.config_files", "mmrl.cache", "mmrl.data",
+    # 0 leaves: import nothing from mmrl (config_files: only the config; any: the user errors, preemption)
+    ["mmrl", "mmrl.errors", "mmrl.preemption", "mmrl.train_stats", "mmrl.registry", "mmrl.config", "mmrl.config_files", "mmrl.cache", "mmrl.data",
      "mmrl.metrics", "mmrl.optim", "mmrl.testing",
      "mmrl.testing.fake_device", "mmrl.testing.family", "mmrl.models", "mmrl.models.architectures", "mmrl.models.pixel_t2i",
      "mmrl.models.qwen_vl", "mmrl.sampling.*", "mmrl.rollout", "mmrl.rollout.engine",
      "mmrl.context_parallel"],
     # 1 building blocks: algorithms, models, samplers, rollout engines
-    ["mmrl.video", "mmrl.algorithms.*", "mmrl.models.flow_model", "mmrl.models.pipelines", "mmrl.models.families.*",
+    ["mmrl.video", "mmrl.algorithms.*", "mmrl.models.flow_model", "mmrl.models.pipelines", "mmrl.models.shard_load", "mmrl.models.families.*",
      "mmrl.models.tiny_pipelines", "mmrl.rollout.vllm_engine",
      "mmrl.rollout.contrast",
      "mmrl.rollout.tree"],

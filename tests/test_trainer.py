@@ -238,3 +238,25 @@ def test_timed_evaluations_are_listed_and_survive_resume(tiny_pixel_model, tmp_p
     tr = Trainer(cfg_for(tiny_pixel_model, tmp_path, *items[1:], "train.iterations=4"))
     assert tr.resume() and tr.timed_evals == timed
     assert [e["iteration"] for e in tr.fit()["eval_timed"]] == [1, 2]  # iteration 4 is the last: evaluated at the end
+
+
+def test_a_non_finite_gradient_skips_the_step_and_stops_the_run_when_it_repeats(tiny_pixel_model, tmp_path):
+    """A NaN loss (seen in bf16 on an H200 with a tiny FLUX.1) must not reach the weights: the step is skipped and
+    counted (train/skipped_steps; the norm is global, so every rank skips alike); three in a row stop the run."""
+    import math
+
+    tr = Trainer(cfg_for(tiny_pixel_model, tmp_path, "train.minibatches=1", "log.eval_at_start=false"))
+    aggregate = tr.objective.aggregate
+    tr.objective.aggregate = lambda *a, **k: aggregate(*a, **k) * float("nan")
+    before = [p.detach().clone() for p in tr.params]
+    m = tr.step(0)
+    assert m["train/skipped_steps"] == 1.0 and m["train/optimizer_steps"] == 0
+    assert all(torch.equal(a, p) for a, p in zip(before, tr.params))
+    assert all(p.grad is None for p in tr.params)
+    tr.step(1)
+    with pytest.raises(RuntimeError, match="3 optimizer steps in a row had a non-finite gradient"):
+        tr.step(2)
+    tr.objective.aggregate = aggregate
+    tr.nonfinite = 0
+    m = tr.step(3)
+    assert m["train/skipped_steps"] == 0.0 and m["train/optimizer_steps"] == 1 and math.isfinite(m["train/grad_norm"])

@@ -29,7 +29,8 @@ from mmrl.errors import ConfigError
 from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, resolve_model_path,
                               save_lora_adapter, upcast_trainable, write_policy_meta)
 from mmrl.models.flow_model import EXPERTS, FlowModel
-from mmrl.models.pipelines import copy_shards, load_flow_model, load_into_shards, shardable_weights
+from mmrl.models.pipelines import load_flow_model
+from mmrl.models.shard_load import copy_shards, load_into_shards, shardable_weights
 from mmrl.policy.flow_checkpoint import (  # noqa: F401  (load_policy_checkpoint: the checkpoint loader's home is there)
     _link_base_parts, _load_transformer_weights, load_policy_checkpoint, save_diffusers_lora)
 from mmrl.rollout.tree import run_tree, trained_steps

@@ -15,7 +15,7 @@ def from_pretrained(folder: str, index: dict, options: LoadOptions):
     """The diffusers pipeline of `folder` (its model_index.json class), on options.device."""
     import diffusers
 
-    from mmrl.models.pipelines import meta_component
+    from mmrl.models.shard_load import meta_component
 
     skip = {name: None for name in options.meta}  # built below without weights (options.meta)
     pipe = getattr(diffusers, index["_class_name"]).from_pretrained(folder, dtype=options.dtype, **skip).to(options.device)

@@ -57,7 +57,7 @@ def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
     if cls not in TRANSFORMERS:
         raise ConfigError(f"{folder}: unsupported transformer_class {cls!r} ({', '.join(TRANSFORMERS)})")
     if "transformer" in options.meta:  # weights loaded later, into shards (mmrl.models.pipelines.load_into_shards)
-        from mmrl.models.pipelines import meta_component
+        from mmrl.models.shard_load import meta_component
 
         transformer = meta_component(folder, "transformer", options.dtype)
     else:
