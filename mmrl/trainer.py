@@ -96,15 +96,16 @@ class Trainer:
         Every branch taken from a clock or a signal is decided once per iteration for all ranks
         (`Distributed.decide`): rank 0's minutes, and a stop when any rank was signalled (mmrl/preemption.py)."""
         cfg, t = self.cfg, self.cfg.train
-        results = {}
         with StopRequests() as stop:
             if cfg.log.eval_at_start and self.iteration == 0:
                 self.eval_start = self.evaluate(0)
-            if self.eval_start is not None:
-                results["eval_start"] = self.eval_start
+            results = {} if self.eval_start is None else {"eval_start": self.eval_start}
             t_start = time.time() - 60 * self.elapsed_min  # a resumed run continues its time budget
-            bar = tqdm(range(self.iteration, t.iterations), desc="train", disable=not cfg.log.progress or not self.dist.main,
-                       initial=self.iteration, total=t.iterations)
+            if spent := 0 < t.time_budget_min <= self.elapsed_min:  # a resumed run whose budget is spent: no training
+                log.warning("train.time_budget_min=%s is spent (%.1f min trained): nothing to train; resume with a larger "
+                            "train.time_budget_min to continue", t.time_budget_min, self.elapsed_min)
+            bar = tqdm(range(self.iteration, self.iteration if spent else t.iterations), desc="train",
+                       disable=not cfg.log.progress or not self.dist.main, initial=self.iteration, total=t.iterations)
             for it in bar:
                 self.iteration = it
                 lr = t.lr * lr_scale(it, t.iterations, self.elapsed_min, t.time_budget_min, t.lr_warmup, t.lr_cooldown)

@@ -260,3 +260,13 @@ def test_a_non_finite_gradient_skips_the_step_and_stops_the_run_when_it_repeats(
     tr.nonfinite = 0
     m = tr.step(3)
     assert m["train/skipped_steps"] == 0.0 and m["train/optimizer_steps"] == 1 and math.isfinite(m["train/grad_norm"])
+
+
+def test_a_resumed_run_whose_time_budget_is_spent_trains_nothing_and_says_so(tiny_pixel_model, tmp_path, caplog):
+    """Resuming a run whose train.time_budget_min is spent trained one more iteration without a word."""
+    tr = Trainer(cfg_for(tiny_pixel_model, tmp_path, "train.time_budget_min=1", "train.iterations=10",
+                         "log.eval_at_start=false"))
+    tr.iteration, tr.elapsed_min = 3, 1.2  # as a resume of such a run leaves it
+    with caplog.at_level("WARNING"):
+        res = tr.fit()
+    assert res["iterations"] == 3 and "time_budget_min=1.0 is spent" in caplog.text
