@@ -181,8 +181,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
         lm = getattr(base, "language_model", base)
         stored = rank_rows * (8 * seq + 4 * s.max_new_tokens)  # int64 token ids, fp32 old log-probs
         workload = lambda: token_workload(  # noqa: E731
-            cfg, model, chunk=chunk or rank_rows, m=m, seq=seq, kept=stored, needs_reference=needs_reference,
-            passes=-(-share // m) * t.grad_accum)
+            cfg, model, chunk=chunk or rank_rows, m=m, seq=seq, kept=stored, needs_reference=needs_reference)
 
         def run():
             ids = torch.zeros(m, seq, dtype=torch.long, device="meta")

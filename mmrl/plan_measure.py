@@ -299,8 +299,7 @@ def flow_workload(cfg, model, inputs, text, vae, *, chunk: int, m: int, cp: int,
                     cfg.train.ema_decay, shard_reference=not cfg.model.offload)
 
 
-def token_workload(cfg, model, *, chunk: int, m: int, seq: int, kept: int, passes: int,
-                   needs_reference: bool) -> Workload:
+def token_workload(cfg, model, *, chunk: int, m: int, seq: int, kept: int, needs_reference: bool) -> Workload:
     """One rank's token iteration: a no-grad forward of `chunk` sequences of `seq` tokens keeping its KV cache
     (the sampling transient of generation's last step), then training forwards of `m` sequences whose completion
     logits are scored in fp32."""
@@ -309,14 +308,18 @@ def token_workload(cfg, model, *, chunk: int, m: int, seq: int, kept: int, passe
     base = model.model if hasattr(model, "model") else model
     lm = getattr(base, "language_model", base)
 
-    def forward(mod, rows: int, cache: bool):
-        b = mod.model if hasattr(mod, "model") else mod
-        body = getattr(b, "language_model", b)
-        ids = torch.zeros(rows, seq, dtype=torch.long)
+    def forward(mod, rows: int, cache: bool):  # through the root module, as the policy calls it (FSDP's root
+        ids = torch.zeros(rows, seq, dtype=torch.long)  # gathers the embeddings and the head)
         pos = torch.arange(seq).expand(3 if lm is not base else 1, rows, seq)
-        h = body(input_ids=ids, position_ids=pos if lm is not base else pos[0], use_cache=cache).last_hidden_state
-        return mod.lm_head(h[:, -s.max_new_tokens:]).float().logsumexp(-1).mean()
+        mod.train(not cache)  # generation: eval mode keeps the KV cache (training under checkpointing drops it)
+        out = mod(input_ids=ids, position_ids=pos if lm is not base else pos[0], use_cache=cache,
+                  logits_to_keep=s.max_new_tokens)
+        mod.train()
+        return out.logits.float().logsumexp(-1).mean()  # the completion's log-probs, fp32
 
     return Workload([model], reference, [], lambda: forward(model, chunk, True),
-                    lambda ref: forward(reference[0] if ref and reference else model, m, False), None, kept, 0, passes,
-                    needs_reference, cfg.train.ema_decay, shard_reference=False)
+                    lambda ref: forward(reference[0] if ref and reference else model, m, False), None, kept, 0,
+                    # one pass, synced: the vision tower never runs here (token ids stand in for the media), and
+                    # FSDP2's no_sync post-backward fails on a unit that did not run; accumulating unsharded
+                    # gradients (see the flow plan) is then not counted
+                    1, needs_reference, cfg.train.ema_decay, shard_reference=False)
