@@ -57,6 +57,7 @@ def atomic_dir(path: str):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    share(tmp)
     old = None
     if os.path.exists(path):
         old = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".old-", dir=parent)
@@ -67,9 +68,35 @@ def atomic_dir(path: str):
 
 
 def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    """The process's umask, read without changing it where Linux says it (os.umask sets it for a moment, when another
+    thread's new file would get mode 0666)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1], 8) for ln in f if ln.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0)
+        os.umask(mask)
+        return mask
+
+
+def share(folder: str) -> None:
+    """Give every file and folder under `folder` (itself included) the permissions the user's umask allows (files
+    0o666 & ~umask, folders 0o777 & ~umask; bits already set are kept): safetensors 0.8 writes its files owner-only
+    (0600) and mkdtemp its folders 0700, whatever the umask, so teammates on a shared cluster could not read trained
+    weights. Links are left alone (a hard link's other name may be a base model's file), and so is a file this
+    process does not own (another node's rank wrote it: chmod is not allowed)."""
+    mask = _umask()
+    for root, dirs, files in os.walk(folder):
+        paths = [(os.path.join(root, d), 0o777) for d in dirs] + [(os.path.join(root, f), 0o666) for f in files]
+        for path, allowed in paths + ([(folder, 0o777)] if root == folder else []):
+            st = os.lstat(path)
+            want = st.st_mode & 0o7777 | allowed & ~mask
+            if want == st.st_mode & 0o7777 or os.path.islink(path) or (st.st_nlink > 1 and not os.path.isdir(path)):
+                continue
+            try:
+                os.chmod(path, want)
+            except PermissionError:
+                pass
 
 
 def remove_stale(folder: str) -> None:

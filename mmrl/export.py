@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 
-from mmrl.checkpoint import policy_folder
+from mmrl.checkpoint import policy_folder, share
 from mmrl.errors import MissingFile, TargetExists
 
 
@@ -32,6 +32,7 @@ def export(checkpoint: str, out: str) -> str:
     tmp = out.rstrip("/") + ".tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)
     (_export_flow if meta["policy"] == "flow" else _export_token)(checkpoint, meta, tmp)
+    share(tmp)  # safetensors writes owner-only files: the umask's permissions, so teammates can load the export
     os.replace(tmp, out)
     return out
 
