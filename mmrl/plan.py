@@ -45,7 +45,7 @@ from mmrl.config import policy_kind, sample_chunk
 from mmrl.distributed import check_parallel_config, transformer_blocks
 from mmrl.errors import ConfigError, MissingFile
 from mmrl.models.families import all_architectures
-from mmrl.plan_models import (_DTYPES, LivePeak, Shapes, decode_peak, flow_model, frozen_parts,  # noqa: F401
+from mmrl.plan_models import (_DTYPES, Shapes, decode_peak, flow_model, frozen_parts,  # noqa: F401 (decode_peak)
                               measure_forward, param_bytes, prepare, token_model)
 from mmrl.plan_measure import PHASES, flow_workload, measure, token_workload
 from mmrl.policy.base import reference_kind
