@@ -1,8 +1,8 @@
 """The command line:
-    mmrl train CONFIG [--resume | --overwrite] [key=value ...]   train (mmrl/runs.py, mmrl/trainer.py)
+    mmrl train CONFIG [--resume | --overwrite] [--json] [k=v ...]   train (mmrl/runs.py, mmrl/trainer.py)
     mmrl eval CONFIG [RUN|CHECKPOINT ...] [key=value ...]        the config's held-out benchmark (mmrl/eval.py)
     mmrl sample CONFIG [RUN|CHECKPOINT ...] [--prompts ...]      images / videos and a contact sheet (mmrl/sample.py)
-    mmrl validate CONFIG [key=value ...] [--nproc N]             every check that needs no weights (mmrl/preflight.py)
+    mmrl validate CONFIG [k=v ...] [--nproc N] [--resume|--overwrite]  train's checks, no weights (mmrl/preflight.py)
     mmrl plan CONFIG [--world N] [--cp D] [key=value ...]        memory and FLOPs per GPU at real size (mmrl/plan.py)
     mmrl export CHECKPOINT OUT                                   a merged model folder (mmrl/export.py)
     mmrl serve-reward NAME [--kwargs JSON] [--port P]            a reward over HTTP (mmrl/reward_server.py)
@@ -35,6 +35,8 @@ def parser() -> argparse.ArgumentParser:
     tr.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.lr=1e-4")
     tr.add_argument("--resume", action="store_true", help="continue the run in log.out_dir (newest intact checkpoint)")
     tr.add_argument("--overwrite", action="store_true", help="delete the run in log.out_dir and start over")
+    tr.add_argument("--json", action="store_true", help="print results.json's content at the end instead of the "
+                                                        "table (before / after, verdict, where things went)")
     ev = sub.add_parser("eval", help="score the base model and checkpoints on the config's held-out benchmark")
     ev.add_argument("config", help="YAML config: its task, reward and base model")
     ev.add_argument("rest", nargs="*", metavar="RUN|CHECKPOINT|key=value",
@@ -50,6 +52,8 @@ def parser() -> argparse.ArgumentParser:
     va.add_argument("config")
     va.add_argument("overrides", nargs="*")
     va.add_argument("--nproc", type=int, default=1, help="also check it runs on this many processes (torchrun)")
+    va.add_argument("--resume", action="store_true", help="check log.out_dir as `train --resume` would take it")
+    va.add_argument("--overwrite", action="store_true", help="check log.out_dir as `train --overwrite` would take it")
     sv = sub.add_parser("serve-reward", help="serve a registered reward over HTTP (reward.name=remote calls it)")
     sv.add_argument("name", help="reward registry key, e.g. shapes, clip_score, pickscore")
     sv.add_argument("--kwargs", default="{}", help="JSON keyword arguments of the reward")
@@ -148,7 +152,8 @@ def run(args) -> int:
         from mmrl import preflight
 
         t0 = time.time()
-        problems = preflight.check(cfg, getattr(args, "nproc", int(os.environ.get("WORLD_SIZE", "1"))), args.config)
+        problems = preflight.check(cfg, getattr(args, "nproc", int(os.environ.get("WORLD_SIZE", "1"))), args.config,
+                                   (args.resume, args.overwrite) if args.cmd == "validate" else None)
         if problems:
             print(f"mmrl {args.cmd}: {args.config}: {len(problems)} problem(s):\n" +
                   "\n".join(f"  - {x}" for x in problems), file=sys.stderr)
@@ -158,10 +163,12 @@ def run(args) -> int:
                   f"{cfg.reward.name}" + (f", {args.nproc} processes" if args.nproc > 1 else "") +
                   f"; checked in {time.time() - t0:.1f} s)")
             return 0
+        from mmrl.report import emit
         from mmrl.runs import train
 
-        res = train(cfg, resume=args.resume, overwrite=args.overwrite)
-        print(json.dumps(res, default=str))
+        command = " ".join(["mmrl train", args.config, *(o for o in args.overrides if o != "log.progress=false")])
+        res = train(cfg, resume=args.resume, overwrite=args.overwrite, command=command)
+        emit(res, as_json=args.json)  # rank 0 only
         return 0
     if args.cmd == "eval":
         from mmrl.eval import eval_main

@@ -7,7 +7,17 @@ What is checked beyond the config's keys, types and registry names (mmrl.compose
 - every file the task and the rewards name (task.prompt_file, task.kwargs *_file / annotations / *_dir /
   durations, reward kwargs *_path / *_dir / *_file): exists; prompt files are UTF-8 (file:line of a bad byte);
 - every reward / task kwarg is one its factory takes (nested rewards and judges too);
-- the multi-process rules for N processes (mmrl.distributed.check_parallel_config).
+- the multi-process rules for N processes (mmrl.distributed.check_parallel_config);
+- the task is built as train builds it (compose.build_task: an empty prompt file, a JSONL line that is not JSON,
+  a CSV without its prompt column, a held-out split that cannot be made ... fail here, not after the weights
+  load), except a task that writes its data (`writes_files = True`: the grounding world renders videos once, on
+  rank 0); the rewards whose building loads no weights are built too (LIGHT_REWARDS, a plain reward function,
+  reward.name=multi of those): their value checks (a weight out of [0, 1], a bad schedule) fail here;
+- with `run_dir=(resume, overwrite)` (`mmrl validate --resume / --overwrite`), log.out_dir as train would take it
+  (mmrl.runs.prepare_run_dir, read-only here): a folder holding a run without --resume / --overwrite, or
+  --resume with a config that changes the saved state.
+Left to train: what needs the model itself (model.lora modules that match no layer, a policy with nothing to train)
+and rewards that load a model to build (CLIP-like scorers, VLM judges: their kwargs and paths are checked above).
 
 Paths in a config are relative to the working directory (where mmrl runs); only `base:` is relative to the config
 file. A path that is missing there but exists next to the config file is reported with that fix.
@@ -15,6 +25,7 @@ file. A path that is missing there but exists next to the config file is reporte
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
@@ -26,34 +37,68 @@ from mmrl.metrics import check_report_to
 from mmrl.models.families import family_for
 from mmrl.models.pipelines import missing_parts
 from mmrl.policy.base import is_hub_id, resolve_model_path
+from mmrl.reward import REWARDS, plain_function_args
+from mmrl.task import TASKS
 
 PATH_SUFFIXES = ("_file", "_path", "_dir", "annotations", "durations")
 NOT_PATHS = ("root", "dataset")  # created by the task (grounding_world's root) or a datasets name
+# built-in rewards whose building is value checks only (no weights, no network): validate builds them as train does
+LIGHT_REWARDS = ("shapes", "motion", "grounding", "arithmetic", "preference_label", "video_frames", "multi")
 
 
-def check(cfg: Config, nproc: int = 1, config_path: str | None = None) -> list[str]:
-    """Every problem of `cfg` found without loading weights, each naming the key or file and the fix."""
+def check(cfg: Config, nproc: int = 1, config_path: str | None = None,
+          run_dir: tuple[bool, bool] | None = None) -> list[str]:
+    """Every problem of `cfg` found without loading weights, each naming the key or file and the fix. run_dir:
+    (resume, overwrite) to check log.out_dir as train would (validate; train checks it itself, mmrl/runs.py)."""
     problems: list[str] = []
 
-    def run(fn, *args):
+    def run(fn, *args) -> bool:
         try:
             fn(*args)
+            return True
         except UserError as e:  # an input check; anything else is a bug and keeps its traceback
             problems.append(str(e))
+            return False
 
     if policy_kind(cfg.model.policy) is not None:  # a user's own policy reads model.path its own way
         run(_check_model, cfg, config_path)
-    if cfg.task.prompt_file:
-        run(_check_path, "task.prompt_file", cfg.task.prompt_file, config_path, True)
-    run(_check_kwargs, compose.TASKS, cfg.task.name, cfg.task.kwargs, "task", config_path)
+    files_ok = run(_check_path, "task.prompt_file", cfg.task.prompt_file, config_path, True) \
+        if cfg.task.prompt_file else True
+    if run(_check_kwargs, compose.TASKS, cfg.task.name, cfg.task.kwargs, "task", config_path) and files_ok \
+            and not getattr(TASKS[cfg.task.name], "writes_files", False):
+        run(compose.build_task, cfg.task)  # what train builds after the weights load: its content checks, now
     for key in ("name", "eval_name"):
         name = getattr(cfg.reward, key)
         if name:
             kwargs = cfg.reward.kwargs if key == "name" else cfg.reward.eval_kwargs
-            run(_check_kwargs, compose.REWARDS, name, kwargs, "reward" if key == "name" else "reward.eval", config_path)
+            where = "reward" if key == "name" else "reward.eval"
+            if run(_check_kwargs, compose.REWARDS, name, kwargs, where, config_path) and _light(name, kwargs):
+                run(compose.build_reward, name, kwargs, where)
     run(check_parallel_config, cfg, nproc)
     run(check_report_to, cfg.log.report_to)
+    if run_dir is not None:
+        from mmrl.runs import prepare_run_dir
+
+        run(prepare_run_dir, cfg, *run_dir, False)  # main=False: nothing deleted, nothing written
     return problems
+
+
+def _light(name: str, kwargs: dict | None) -> bool:
+    """Whether building reward `name` loads nothing: a plain function, or a LIGHT_REWARDS one whose wrapped rewards
+    (reward=..., reward.name=multi's components) are light too; a judge (a VLM) never is."""
+    kwargs, factory = kwargs or {}, REWARDS[name]
+    if plain_function_args(factory):
+        return True
+    if name not in LIGHT_REWARDS:
+        return False
+    params = inspect.signature(factory).parameters
+    wrapped = {key: kwargs.get(key, params[key].default if key in params else None) for key in ("reward", "judge")}
+    if isinstance(wrapped["judge"], str):  # a judge is a VLM
+        return False
+    inner = [(wrapped["reward"], kwargs.get("reward_kwargs"))] if isinstance(wrapped["reward"], str) else []
+    inner += [((spec or {}).get("name", label), (spec or {}).get("kwargs"))
+              for label, spec in (kwargs.get("components") or {}).items()]
+    return all(_light(n, k) for n, k in inner)
 
 
 def _check_model(cfg: Config, config_path: str | None) -> None:

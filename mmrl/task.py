@@ -3,7 +3,9 @@
 A task provides `sample(n, rng) -> list[example]` (an example is a dict with at least "prompt"; "category"
 groups the logged rewards and the benchmark) and `eval_examples() -> list[example]`. Optional:
 `reference_output(example) -> str` (the ground-truth completion that off-policy injection trains on) and
-`baselines() -> {name: metrics}` (printed beside the models by `mmrl eval`).
+`baselines() -> {name: metrics}` (printed beside the models by `mmrl eval`). `mmrl validate` (and `train`, before the
+weights load) builds the task once to run its input checks; a class that writes files when built (a dataset it
+renders) sets `writes_files = True` and is built by the trainer only.
 
 Registry: TASKS maps task.name to a factory `(cfg.task, **cfg.task.kwargs) -> Task`. Built-in tasks live in
 tasks/ and are imported on first use; `task.name: my_tasks:MyTask` uses a class from the user's own file.

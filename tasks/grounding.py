@@ -216,6 +216,8 @@ class GroundingWorldTask(GroundingTask):
     world (tasks/grounding_world.py: NOVEL combinations never in training; held-out = the in-distribution test
     split and the long / novel / crowded splits, each example's category its split)."""
 
+    writes_files = True  # renders its videos on first use (rank 0 first): `mmrl validate` does not build it
+
     def __init__(self, cfg, root: str = "runs/grounding_world", train_videos: int | None = None,
                  test_videos: int | None = None, ood: bool = False, **kwargs):
         defaults = OOD_VIDEOS if ood else DEFAULT_VIDEOS
