@@ -1,7 +1,9 @@
 """`mmrl validate` is the whole pre-flight (mmrl/preflight.py) and user errors are one message (mmrl/cli.py): broken
 configs each get every problem named with its fix, no weights load, and the time is printed (`pytest -s`); a
 plain reward function and a plugin beside the config load; a reward that fails stops the start evaluation at its
-first failure with its own error and traceback."""
+first failure with its own error and traceback. Every train-time input error (each `raise` of a UserError where train
+builds the task, the weight-free rewards and takes the run folder, found in the source) is reported by validate with
+no model built."""
 
 import logging
 import os
@@ -122,3 +124,141 @@ def test_a_plugin_beside_the_config_and_a_plain_reward_function(tmp_path, tiny_p
     with pytest.raises(ValueError, match="my reward is broken"):
         main(["train", str(tmp_path / "mine.yaml"), "reward.name=my_rewards:broken", f"log.out_dir={tmp_path / 'run2'}"])
     assert capsys.readouterr().err.count("reward raised") <= 1
+
+
+# ------------------------------------------------------------------ validate = train's checks, enumerated
+# The input checks train runs before its first forward, beyond the config's keys (already enumerated above): where
+# the task, the weight-free rewards and the run folder are built / checked. Every `raise <UserError>(...)` in these
+# functions is found by reading the source (ast), so a check added there without a case below fails this test.
+TRAIN_TIME_CHECKS = {
+    "mmrl/task.py": None,  # every function: building task.name=prompt_file
+    "mmrl/reward.py": ("weight_schedule", "MultiReward.__init__"),
+    "rewards/shapes.py": ("ShapesReward.__init__",),
+    "rewards/motion.py": ("MotionReward.__init__",),
+    "rewards/grounding.py": ("GroundingReward.__init__",),
+    "rewards/video.py": ("FrameReward.__init__",),
+    "mmrl/runs.py": ("prepare_run_dir",),
+}
+NOT_HERE = {  # raise sites no CPU test can reach, and why
+    "mmrl/task.py:read_dataset#2": "a saved DatasetDict without the split: needs the datasets library (not installed)",
+    "mmrl/task.py:read_dataset#3": "a dataset without the prompt column: needs the datasets library (not installed)",
+}
+
+
+def raise_sites() -> list[str]:
+    """'file:Class.function#k' of the k-th `raise X(...)` (X a mmrl.errors.UserError) in each TRAIN_TIME_CHECKS
+    function."""
+    import ast
+    import importlib
+
+    from mmrl.errors import UserError
+
+    sites = []
+    for file, names in TRAIN_TIME_CHECKS.items():
+        module = importlib.import_module(file[:-3].replace("/", "."))
+        tree = ast.parse(open(os.path.join(ROOT, file)).read())
+        funcs = [(f"{c.name}.{f.name}", f) for c in tree.body if isinstance(c, ast.ClassDef) for f in c.body
+                 if isinstance(f, ast.FunctionDef)] + [(f.name, f) for f in tree.body if isinstance(f, ast.FunctionDef)]
+        for qual, fn in funcs:
+            if names is not None and qual not in names:
+                continue
+            raises = [n for n in ast.walk(fn) if isinstance(n, ast.Raise) and isinstance(n.exc, ast.Call)
+                      and isinstance(n.exc.func, ast.Name)]
+            raises = [n for n in sorted(raises, key=lambda n: n.lineno)
+                      if isinstance(getattr(module, n.exc.func.id, None), type)
+                      and issubclass(getattr(module, n.exc.func.id), UserError)]
+            sites += [f"{file}:{qual}#{k}" for k in range(1, len(raises) + 1)]
+    return sites
+
+
+def train_time_errors(tmp_path) -> list[tuple[str, list, str]]:
+    """(raise site, validate's arguments, what validate must print) for each train-time input error."""
+    t = tmp_path
+
+    def write(name, text):
+        (t / name).write_text(text) if isinstance(text, str) else (t / name).write_bytes(text)
+        return t / name
+
+    empty, two = write("empty.txt", "\n# only a comment\n"), write("two.txt", "a red circle\na blue square\n")
+    one = write("one.txt", "a red circle\na red circle\n")
+    bad_jsonl = write("bad.jsonl", '{"prompt": "a red circle"}\n{"prompt": "a blue square"\n')
+    no_prompt = write("no_prompt.jsonl", '{"prompt": "a red circle"}\n{"text": "a blue square"}\n')
+    json_file, latin1 = write("p.json", '[{"prompt": "a"}]'), write("l.txt", "un carré\n".encode("latin-1"))
+    no_col, big = write("no_col.csv", "text\na red circle\n"), write("big.csv", "prompt\n" + "x" * 140_000 + "\n")
+    held, changed = t / "held", t / "changed"
+    held.mkdir()
+    (held / "metrics.jsonl").write_text("{}\n")
+    changed.mkdir()
+    (changed / "config.json").write_text('{"model": {"path": "/some/other/model"}}')
+    pf = [SHAPES, "task.name=prompt_file"]
+    multi = "reward.name=multi"
+    return [
+        ("mmrl/task.py:PromptFileTask.__init__#1", pf + [f"task.prompt_file={two}", "task.kwargs={dataset: x/y}"],
+         "give task.prompt_file or task.kwargs.dataset, not both"),
+        ("mmrl/task.py:PromptFileTask.__init__#2",
+         pf + [f"task.prompt_file={two}", f"task.kwargs={{eval_file: {two}, heldout_fraction: 0.5}}"],
+         "give task.kwargs.eval_file (a held-out file) or task.kwargs.heldout_fraction"),
+        # the config check names it first (a missing eval_file: the path check), the same input error
+        ("mmrl/task.py:read_prompts#1", pf, "task.name=prompt_file needs task.prompt_file=PATH"),
+        ("mmrl/task.py:read_prompts#2", pf + [f"task.prompt_file={json_file}"], ".json is not read; write one object"),
+        ("mmrl/task.py:read_prompts#3", pf + [f"task.prompt_file={empty}"], f"task.prompt_file='{empty}' has no prompts"),
+        # the byte is named by validate's line-by-line UTF-8 check, which comes first (the same input error)
+        ("mmrl/task.py:_decode#1", pf + [f"task.prompt_file={latin1}"], f"{latin1}:1: not UTF-8"),
+        ("mmrl/task.py:jsonl_rows#1", pf + [f"task.prompt_file={bad_jsonl}"], f"{bad_jsonl}:2: not valid JSON"),
+        ("mmrl/task.py:_read_csv#1", pf + [f"task.prompt_file={no_col}"], f"{no_col}:1: no 'prompt' column"),
+        ("mmrl/task.py:_read_csv#2", pf + [f"task.prompt_file={big}"], "field larger than field limit"),
+        ("mmrl/task.py:_example#1", pf + [f"task.prompt_file={no_prompt}"],
+         f"{no_prompt}:2: expected a row with a non-empty 'prompt' string"),
+        ("mmrl/task.py:read_dataset#1", pf + ["task.kwargs={dataset: x/y}"], "needs the Hugging Face datasets library"),
+        ("mmrl/task.py:split_heldout#1", pf + [f"task.prompt_file={two}", "task.kwargs={heldout_fraction: 1.5}"],
+         "heldout_fraction must be in (0, 1), got 1.5"),
+        ("mmrl/task.py:split_heldout#2", pf + [f"task.prompt_file={one}", "task.kwargs={heldout_fraction: 0.5}"],
+         "needs at least 2 distinct prompts, got 1"),
+        ("mmrl/reward.py:weight_schedule#1", [SHAPES, multi, "reward.kwargs={components: {s: {name: shapes, weight: .nan}}}"],
+         "a weight must be finite"),
+        ("mmrl/reward.py:weight_schedule#2", [SHAPES, multi, "reward.kwargs={components: {s: {name: shapes, weight: x}}}"],
+         "give a number or a list of [iteration, weight] points"),
+        ("mmrl/reward.py:weight_schedule#3",
+         [SHAPES, multi, "reward.kwargs={components: {s: {name: shapes, weight: [[5, 1], [2, 0]]}}}"],
+         "the points need iterations >= 0 in increasing order"),
+        ("mmrl/reward.py:MultiReward.__init__#1", [SHAPES, multi, "reward.kwargs={components: {}}"],
+         "reward.name=multi needs reward.kwargs.components"),
+        ("mmrl/reward.py:MultiReward.__init__#2", [SHAPES, multi, "reward.kwargs={components: {a/b: {name: shapes}}}"],
+         "reward component label 'a/b' must not contain '/'"),
+        ("rewards/shapes.py:ShapesReward.__init__#1", [SHAPES, "reward.kwargs={strict_weight: 2}"],
+         "strict_weight must be in [0, 1], got 2"),
+        ("rewards/motion.py:MotionReward.__init__#1", [SHAPES, "reward.name=motion", "reward.kwargs={correct_weight: 2}"],
+         "correct_weight must be in [0, 1], got 2"),
+        ("rewards/grounding.py:GroundingReward.__init__#1", [SHAPES, "reward.name=grounding", "reward.kwargs={accuracy: f1}"],
+         "accuracy must be 'iou' or 'iou_v2', got 'f1'"),
+        ("rewards/grounding.py:GroundingReward.__init__#2", [SHAPES, "reward.name=grounding", "reward.kwargs={coarse: x}"],
+         "coarse must be one of"),
+        ("rewards/grounding.py:GroundingReward.__init__#3",
+         [SHAPES, "reward.name=grounding", "reward.kwargs={hit_threshold: 0}"], "hit_threshold must be in (0, 1], got 0"),
+        ("rewards/video.py:FrameReward.__init__#1",
+         [SHAPES, "reward.name=video_frames", "reward.kwargs={reward: shapes, agg: max}"], "FrameReward agg='max'"),
+        ("mmrl/runs.py:prepare_run_dir#1", [SHAPES, f"log.out_dir={held}", "--resume", "--overwrite"],
+         "--resume continues the run in log.out_dir and --overwrite deletes it: give one"),
+        ("mmrl/runs.py:prepare_run_dir#2", [SHAPES, f"log.out_dir={held}"],
+         f"log.out_dir='{held}' already holds a run (logs, no checkpoint). Continue it with --resume"),
+        ("mmrl/runs.py:prepare_run_dir#3", [SHAPES, f"log.out_dir={changed}", "--resume"],
+         "--resume with a config that changes the saved state"),
+    ]
+
+
+def test_every_train_time_input_error_is_reported_by_validate_without_a_model(tmp_path, capsys, no_weights,
+                                                                               monkeypatch):
+    from mmrl import compose
+
+    monkeypatch.setattr(compose, "build_policy", lambda *a, **k: pytest.fail("validate built the policy"))
+    cases = train_time_errors(tmp_path)
+    sites = raise_sites()
+    covered = [c[0] for c in cases] + list(NOT_HERE)
+    assert sorted(covered) == sorted(sites), f"raise sites without a case: {sorted(set(sites) - set(covered))}; " \
+        f"cases without a site: {sorted(set(covered) - set(sites))}"
+    for site, args, says in cases:
+        rc, err, _ = validate(capsys, *args)
+        assert rc == 2 and says in err and "Traceback" not in err, f"{site}: {err}"
+    with capsys.disabled():
+        print(f"\n{len(cases)} train-time input errors, each reported by validate ({len(NOT_HERE)} raise sites need "
+              f"the datasets library)")
