@@ -20,7 +20,7 @@ import time
 
 from mmrl import compose
 from mmrl.config import sample_chunk
-from mmrl.evaluation import EVAL_SEED, evaluate_outputs
+from mmrl.evaluation import EVAL_SEED, NOT_METRICS, evaluate_outputs
 from mmrl.reward import RewardRunner
 
 
@@ -68,8 +68,8 @@ def evaluate_checkpoints(cfg, checkpoints: list[str], seed: int = EVAL_SEED, bas
 
 def format_table(results: dict[str, dict]) -> str:
     """One row per model: every metric key (reward keys), then the first key per category."""
-    keys = [k for k in next(iter(results.values())) if k not in ("per_category", "n", "seconds")]
-    keys += sorted({k for r in results.values() for k in r if k not in keys and k not in ("per_category", "n", "seconds")})
+    keys = [k for k in next(iter(results.values())) if k not in NOT_METRICS]
+    keys += sorted({k for r in results.values() for k in r if k not in keys and k not in NOT_METRICS})
     cats = sorted({c for r in results.values() for c in r.get("per_category", {})})
     head = keys[0] if keys else "overall"
     cols = keys + [f"{c}:{head}" for c in cats] + ["n"]

@@ -3,19 +3,26 @@ task's reward, average every reward key overall and per example category."""
 
 from __future__ import annotations
 
+import logging
+import math
+import threading
+import time
 from collections import defaultdict
 from typing import Callable
 
 import torch
 from tqdm import tqdm
 
+log = logging.getLogger(__name__)
 
 EVAL_SEED = 10_000  # held-out example i is generated with seed EVAL_SEED + i (trainer and `mmrl eval` alike)
+PROGRESS_S = 15.0  # without a bar (a log file), a progress line at least this often (the first one at once)
+NOT_METRICS = ("per_category", "n", "se", "scores", "seconds")  # result keys that are not a reward key's mean
 
 
 @torch.no_grad()
 def evaluate_outputs(generate: Callable[[list[dict], int], object], examples: list[dict], reward: Callable,
-                     seed: int = 0, batch_size: int = 64, progress: bool = True, dist=None) -> dict:
+                     seed: int = 0, batch_size: int = 64, progress: bool | None = True, dist=None) -> dict:
     """generate(examples_chunk, first_seed) -> outputs; example i uses seed `seed + i` (batch-size invariant).
     batch_size examples are generated and scored per call (the policy's own micro-batching applies within).
 
@@ -23,19 +30,26 @@ def evaluate_outputs(generate: Callable[[list[dict], int], object], examples: li
     examples and the scores are gathered, so every rank returns the single-process figures. Shares are padded
     to one length (the padding is scored and dropped), so every rank runs the same forwards (FSDP all-gathers).
 
-    Returns {key: mean, ..., "n": int, "per_category": {cat: {key: mean, ..., "n": int}}} for every key the
-    reward returns ("overall", "strict", ...); categories come from example["category"] when present.
+    progress: True a tqdm bar; False a log line `evaluating: 120/504` at once and at least every PROGRESS_S
+    seconds (a log file stays alive through a long evaluation); None nothing (the other ranks).
+
+    Returns {key: mean, ..., "n": int, "se": {key: standard error of the mean over examples}, "scores": {key:
+    [per-example value, in example order]}, "per_category": {cat: {key: mean, ..., "n": int}}} for every key the
+    reward returns ("overall", "strict", ...); categories come from example["category"] when present. "scores"
+    lets two evaluations of the same examples and seeds be compared pair by pair (mmrl/report.py: the verdict).
     """
     world = dist.data_world if dist is not None else 1  # the ranks of a cp group evaluate the same share
     share = dist.share(len(examples)) if world > 1 else range(len(examples))
     width = -(-len(examples) // world)
     mine = list(share) + [share.stop - 1 if len(share) else 0] * (width - len(share))   # example indices
     scores = []  # (example index, {key: value}) of this rank's real examples
-    for i in tqdm(range(0, len(mine), batch_size), desc="eval", disable=not progress):
-        idx = mine[i:i + batch_size]
-        chunk = [examples[j] for j in idx]
-        r = reward(generate(chunk, seed + idx[0]), chunk)
-        scores += [(j, {k: float(v[c]) for k, v in r.items()}) for c, j in enumerate(idx) if i + c < len(share)]
+    with Heartbeat(len(examples), world, enabled=progress is False) as beat:
+        for i in tqdm(range(0, len(mine), batch_size), desc="eval", disable=not progress):
+            idx = mine[i:i + batch_size]
+            chunk = [examples[j] for j in idx]
+            r = reward(generate(chunk, seed + idx[0]), chunk)
+            scores += [(j, {k: float(v[c]) for k, v in r.items()}) for c, j in enumerate(idx) if i + c < len(share)]
+            beat.done = i + len(idx)
     if world > 1:
         scores = dist.gather_list(scores)
     sums: dict = defaultdict(lambda: defaultdict(float))
@@ -51,8 +65,49 @@ def evaluate_outputs(generate: Callable[[list[dict], int], object], examples: li
         return {k: (round(v / d["n"], 4) if k != "n" else int(v)) for k, v in d.items()}
 
     out = means(sums.pop("all")) if "all" in sums else {"n": 0}
+    per = defaultdict(list)  # key -> [value of example 0, 1, ...]
+    for _, r in sorted(scores, key=lambda x: x[0]):
+        for k, v in r.items():
+            per[k].append(round(v, 4))
+    out["se"] = {k: round(standard_error(v), 4) for k, v in per.items()}
+    out["scores"] = dict(per)
     out["per_category"] = {c: means(d) for c, d in sums.items()}
     return out
+
+
+class Heartbeat:
+    """`evaluating: done/total (s)` through logging at once and every PROGRESS_S seconds from a daemon thread, so a
+    batch that takes minutes still shows a pulse in a log file; `done` counts this rank's examples (x world)."""
+
+    def __init__(self, total: int, world: int = 1, enabled: bool = True):
+        self.total, self.world, self.enabled, self.done = total, world, enabled, 0
+        self.stop, self.t0 = threading.Event(), time.monotonic()
+
+    def line(self) -> None:
+        log.info("evaluating: %d/%d (%.0f s)", min(self.done * self.world, self.total), self.total,
+                 time.monotonic() - self.t0)
+
+    def run(self) -> None:
+        while not self.stop.wait(PROGRESS_S):
+            self.line()
+
+    def __enter__(self):
+        if self.enabled:
+            self.line()
+            threading.Thread(target=self.run, name="eval-progress", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+
+
+def standard_error(xs: list[float]) -> float:
+    """The standard error of the mean of xs: sample standard deviation / sqrt(n); 0 for fewer than 2 values."""
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    m = sum(xs) / n
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n)
 
 
 def evaluate_generator(model, examples: list[dict], reward: Callable, seed: int = 0, num_steps: int = 16,

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import time
 
 from mmrl.checkpoint import checkpoints, latest
 from mmrl.config import Config, to_dict
@@ -108,11 +109,15 @@ def describe(out_dir: str) -> str:
     return f"{len(cks)} checkpoint(s), newest {os.path.basename(cks[0])}" if cks else "logs, no checkpoint"
 
 
-def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
+def train(cfg: Config, resume: bool = False, overwrite: bool = False, command: str | None = None) -> dict:
     """Run `cfg` in log.out_dir: a folder that holds a run needs `resume` (continue it; the config is checked
-    against the saved one) or `overwrite` (delete it); mmrl/runs.py. Nothing is written before those checks."""
+    against the saved one) or `overwrite` (delete it); mmrl/runs.py. Nothing is written before those checks.
+    Returns results.json's content, with results["summary"] (mmrl/report.py: before / after, verdict, where
+    things went); `command` (the line that started the run) names how to train longer."""
+    from mmrl.report import summary
     from mmrl.trainer import Trainer
 
+    t0 = time.time()
     if restarted():  # torchrun --max-restarts brought the workers back: continue the run (--overwrite was for the
         # first start: the run it began is the one to continue)
         log.warning("torchrun restart %d: resuming from the newest intact checkpoint in %s", restarted(),
@@ -128,9 +133,12 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
             json.dump(to_dict(cfg), f, indent=2)
     results = trainer.fit()
     trainer.dist.close()
-    if trainer.dist.main:
-        out = cfg.log.out_dir
-        log.info("run written to %s: checkpoints %s (newest %s), results.json, metrics.jsonl%s", out,
-                 os.path.join(out, "checkpoints"), latest(os.path.join(out, "checkpoints")),
-                 f", TensorBoard: tensorboard --logdir {os.path.join(out, 'tb')}" if cfg.log.tensorboard else "")
+    out = cfg.log.out_dir
+    results["summary"] = summary(results, cfg, time.time() - t0, trainer.elapsed_min,
+                                 latest(os.path.join(out, "checkpoints")), command)
+    if results["summary"].get("short"):
+        log.warning(results["summary"]["short"])
+    if trainer.dist.main:  # results.json again, with the summary
+        with open(os.path.join(out, "results.json"), "w") as f:
+            json.dump(results, f, indent=2)
     return results

@@ -37,6 +37,7 @@ from mmrl.rollout.contrast import contrast_rollout
 from mmrl.train_stats import PassStats
 from mmrl.optim import EMA, lr_scale
 from mmrl.preemption import StopRequests, stop_run
+from mmrl.report import log_evaluation
 from mmrl.reward import MultiReward, RewardRunner
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class Trainer:
                 self.iteration = it + 1
                 self.elapsed_min, stopping = self.dist.decide((time.time() - t_start) / 60, stop.signum is not None)
                 bar.set_postfix(reward=f"{metrics['reward/overall_mean']:.3f}")
-                self.logger.scalars(it, metrics)
+                self.logger.scalars(it + 1, metrics)  # step = iterations done, as the log line and eval/
                 if not cfg.log.progress and self.dist.main:  # no bars (a log file): one line per iteration
                     log.info("iteration %d/%d: reward %.4f, loss %.4g, %.1f s (%.1f min in all)", it + 1, t.iterations,
                              metrics["reward/overall_mean"], metrics.get("train/loss", 0.0),
@@ -197,7 +198,7 @@ class Trainer:
             metrics.update(self.optimize(rollout, adv, rows, row_actions, groups))
         metrics.update(self.timer.pop())
         if cfg.log.image_every and it % cfg.log.image_every == 0:  # rank 0's rows
-            self.logger.samples(it, rollout.outputs, rollout.examples, overall, t.group_size)
+            self.logger.samples(it + 1, rollout.outputs, rollout.examples, overall, t.group_size)
         return metrics
 
     def optimize(self, rollout: Rollout, adv: torch.Tensor, rows: torch.Tensor | None = None,
@@ -318,14 +319,10 @@ class Trainer:
                 res = evaluate_outputs(self.policy.evaluate, self.task.eval_examples(),
                                        lambda o, e: self.eval_reward(o, e)[0], seed=EVAL_SEED,
                                        batch_size=sample_chunk(self.cfg.train) or 64,
-                                       progress=self.cfg.log.progress and self.dist.main, dist=self.dist)
+                                       progress=self.cfg.log.progress if self.dist.main else None, dist=self.dist)
         finally:
             self.eval_reward.on_error = on_error
-        flat = {f"eval/{k}": v for k, v in res.items() if k not in ("per_category", "n")}
-        for c, d in res["per_category"].items():
-            flat.update({f"eval_by_category/{c}/{k}": v for k, v in d.items() if k != "n"})
-        self.logger.scalars(step, flat)
-        log.info("eval at iteration %d: %s", step, json.dumps({k: v for k, v in res.items() if k != "per_category"}))
+        log_evaluation(self.logger, step, res, self.dist.main)  # eval/* scalars, one line for people
         return res
 
     # ------------------------------------------------------------------------------------- checkpoints

@@ -29,9 +29,11 @@ def full_and_resumed(common, tmp_path):
     """Train 3 iterations straight, and 2 then --resume to 3. Returns (stdout and out_dir of the straight run,
     the final trainer states of the straight and the resumed run)."""
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    r = mmrl("train", *common, "train.iterations=3", f"log.out_dir={full}")
+    r = mmrl("train", *common, "train.iterations=3", f"log.out_dir={full}", "--json")  # JSON on stdout
     assert r.returncode == 0, r.stderr[-3000:]
-    assert mmrl("train", *common, "train.iterations=2", f"log.out_dir={part}").returncode == 0
+    rp = mmrl("train", *common, "train.iterations=2", f"log.out_dir={part}")  # the table for people
+    assert rp.returncode == 0 and "verdict: " in rp.stdout and f"checkpoints: {part}/checkpoints" in rp.stdout
+    assert not rp.stdout.lstrip().startswith("{")
     r2 = mmrl("train", *common, "train.iterations=3", f"log.out_dir={part}", "--resume")
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert "resumed from" in r2.stderr
@@ -102,7 +104,7 @@ def test_causal_lm_smoke_train(tmp_path, tiny_arithmetic_lm):
     path = tiny_arithmetic_lm
     r = mmrl("train", "configs/text/smollm2_arithmetic.yaml", f"model.path={path}", "train.iterations=2",
              "train.prompts_per_iter=2", "train.group_size=3", "task.eval_prompts=4", "train.threads=1",
-             "task.kwargs.hi=20", "log.progress=false", f"log.out_dir={tmp_path / 'run'}")
+             "task.kwargs.hi=20", "log.progress=false", f"log.out_dir={tmp_path / 'run'}", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["iterations"] == 2 and 0.0 <= res["eval_end"]["correct"] <= 1.0

@@ -24,7 +24,7 @@ LAYERS = [
      "mmrl.rollout.contrast",
      "mmrl.rollout.tree"],
     # 2 the interfaces and their registries
-    ["mmrl.policy.*", "mmrl.reward", "mmrl.task", "mmrl.rollout.pairwise", "mmrl.distributed", "mmrl.evaluation",
+    ["mmrl.policy.*", "mmrl.reward", "mmrl.task", "mmrl.rollout.pairwise", "mmrl.distributed", "mmrl.evaluation", "mmrl.report",
      "mmrl.rollout.collect"],
     # 3 plugins: the built-in rewards and tasks, which mmrl reaches only through registry strings
     ["rewards.*", "tasks.*"],

@@ -7,6 +7,7 @@ folder by default."""
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 
@@ -54,7 +55,7 @@ def test_a_folder_with_a_run_is_refused_then_overwritten(tiny_pixel_model, tmp_p
         train(cfg(tiny_pixel_model, out, "train.lr=1e-3"))
     assert before == {f: os.path.getmtime(out / f) for f in before}  # nothing written
     train(cfg(tiny_pixel_model, out, "train.iterations=1"), overwrite=True)
-    assert steps(out) == [0] and [os.path.basename(c) for c in checkpoints(out / "checkpoints")] == ["iter-000001"]
+    assert steps(out) == [1] and [os.path.basename(c) for c in checkpoints(out / "checkpoints")] == ["iter-000001"]
     # checkpoints with the usual permissions (mkdtemp would make them 0700)
     mode = stat.S_IMODE(os.stat(checkpoints(out / "checkpoints")[0]).st_mode)
     assert mode == 0o777 & ~_umask()
@@ -78,15 +79,15 @@ def test_resume_checks_the_config_before_writing(tiny_pixel_model, tmp_path, cap
     with caplog.at_level(logging.WARNING):
         res = train(cfg(tiny_pixel_model, out, "train.lr=0.01", "train.iterations=3"), resume=True)
     assert "train.lr: 0.0001 -> 0.01" in caplog.text and "train.iterations" not in caplog.text
-    assert res["iterations"] == 3 and steps(out) == [0, 1, 2]
+    assert res["iterations"] == 3 and steps(out) == [1, 2, 3]
     assert res["eval_start"]["n"] == 2  # the base model's figures survive the resume
     with pytest.raises(RunDirError, match="give one"):
         train(cfg(tiny_pixel_model, out), resume=True, overwrite=True)
 
 
 def test_a_killed_run_resumes_without_duplicated_steps(tiny_pixel_model, tmp_path, monkeypatch):
-    """Killed during iteration 3 of 6 (checkpoint at 2, step 2 logged after it): metrics.jsonl and TensorBoard
-    hold steps 0..5 once each, and a save killed half-way leaves no folder behind once the run goes on."""
+    """Killed during the 4th iteration of 6 (checkpoint at 2, step 3 logged after it): metrics.jsonl and
+    TensorBoard hold steps 1..6 (the iterations done, as the log lines and eval/ count) once each, and a save killed half-way leaves no folder behind once the run goes on."""
     out = tmp_path / "run"
     c = cfg(tiny_pixel_model, out, "train.iterations=6", "log.save_every=2", "log.eval_every=2")
     step = Trainer.step
@@ -99,14 +100,14 @@ def test_a_killed_run_resumes_without_duplicated_steps(tiny_pixel_model, tmp_pat
     monkeypatch.setattr(Trainer, "step", dies_at_3)
     with pytest.raises(Killed):
         train(c)
-    assert steps(out) == [0, 1, 2] and tb_steps(out) == [0, 1, 2]  # step 2 was logged after the checkpoint at 2
+    assert steps(out) == [1, 2, 3] and tb_steps(out) == [1, 2, 3]  # step 3 was logged after the checkpoint at 2
     assert [os.path.basename(p) for p in checkpoints(out / "checkpoints")] == ["iter-000002"]
     os.makedirs(out / "checkpoints" / ".iter-000004.tmp-abc123")  # what a kill during a save leaves
     monkeypatch.setattr(Trainer, "step", step)
     res = train(c, resume=True)
     assert res["iterations"] == 6
-    assert steps(out) == [0, 1, 2, 3, 4, 5]
-    assert tb_steps(out) == [0, 1, 2, 3, 4, 5]
+    assert steps(out) == [1, 2, 3, 4, 5, 6]
+    assert tb_steps(out) == [1, 2, 3, 4, 5, 6]
     evals = [json.loads(ln)["step"] for ln in open(out / "metrics.jsonl") if '"eval/overall"' in ln]
     assert evals == [0, 2, 4, 6] and sorted(tb_steps(out, "eval/overall")) == [0, 2, 4, 6]
     assert not [d for d in os.listdir(out / "checkpoints") if d.startswith(".")]
@@ -122,7 +123,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tiny_pixel_model
     with caplog.at_level(logging.WARNING):
         res = train(cfg(tiny_pixel_model, out, "train.iterations=3", "log.save_every=1"), resume=True)
     assert f"{newest}: " in caplog.text and f"resuming from {previous} instead" in caplog.text
-    assert res["iterations"] == 3 and steps(out) == [0, 1, 2]
+    assert res["iterations"] == 3 and steps(out) == [1, 2, 3]
     assert not any(verify(c) for c in checkpoints(out / "checkpoints"))  # every checkpoint intact again
     shutil.rmtree(checkpoints(out / "checkpoints")[1])
     open(checkpoints(out / "checkpoints")[0] + "/trainer_state.json", "w").close()
@@ -171,4 +172,19 @@ def test_resume_of_an_older_run_and_of_a_run_without_checkpoints(tiny_pixel_mode
     assert train(cfg(tiny_pixel_model, out, "train.iterations=2"), resume=True)["iterations"] == 2
     shutil.rmtree(out / "checkpoints")  # killed before the first save: logs, no checkpoint
     train(cfg(tiny_pixel_model, out, "train.iterations=2"), resume=True)
-    assert steps(out) == [0, 1] and tb_steps(out) == [0, 1]
+    assert steps(out) == [1, 2] and tb_steps(out) == [1, 2]
+
+
+def test_tensorboard_steps_are_the_logged_iterations(tiny_pixel_model, tmp_path, caplog):
+    """Issue 44: the 'iteration N/M' log line, metrics.jsonl, TensorBoard and eval/ count the same way (N =
+    iterations done); the evaluation line is for people; results.json holds the end-of-run summary."""
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO):
+        res = train(cfg(tiny_pixel_model, out, "train.iterations=2", "log.progress=false", "log.eval_every=1"))
+    logged = [int(m) for m in re.findall(r"iteration (\d+)/2:", caplog.text)]
+    assert logged == steps(out) == tb_steps(out) == [1, 2]
+    assert sorted(tb_steps(out, "eval/overall")) == [0, 1, 2] and "eval at iteration 1: overall " in caplog.text
+    assert "evaluating: 0/2" in caplog.text
+    saved = json.load(open(out / "results.json"))
+    assert saved["summary"] == res["summary"] and res["summary"]["iterations"] == 2
+    assert res["summary"]["verdict"]["verdict"] in ("a real gain", "a real drop", "too few iterations to tell")

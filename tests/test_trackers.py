@@ -220,7 +220,7 @@ def test_a_training_run_reports_the_same_scalars_as_metrics_jsonl(tiny_pixel_mod
     assert got["wandb"].scalars == logged
     assert got["mlflow"].scalars == {s: {_mlflow_key(k): v for k, v in d.items()} for s, d in logged.items()}
     for g in got.values():
-        assert [(step, tag) for step, tag, *_ in g.images] == [(0, "samples"), (1, "samples")]
+        assert [(step, tag) for step, tag, *_ in g.images] == [(1, "samples"), (2, "samples")]  # steps = iterations done
         assert g.closed == 1
     assert got["wandb"].starts[0]["config"]["log"]["report_to"] == ["wandb", "mlflow"]
 
