@@ -125,5 +125,6 @@ def test_offloaded_vae_decodes_on_the_accelerator(tmp_path):
         tr = Trainer(cfg)
         assert tr.policy.autoencoders
         tr.step(0)
+        tr.evaluate(1)  # the held-out images decode too (the H200 run failed there after the rollout's fix)
         assert all(p.device.type == "cpu" for m in tr.policy.autoencoders for p in m.parameters())
         assert all(p.device == dev for p in tr.policy.transformer.parameters())

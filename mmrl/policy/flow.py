@@ -441,8 +441,9 @@ class FlowPolicy(PolicyDefaults):
         texts, images = [ex["prompt"] for ex in examples], self.images(examples)
         enc, pooled = self.encode(texts, images)  # model.offload: the text encoders visit the device for this only
         neg = self._negative(len(texts), images) if self.cfg.eval_cfg_scale != 1.0 else None
-        return self.model.generate(texts, [seed + i for i in range(len(texts))], self.cfg.eval_steps,
-                                   self.cfg.eval_cfg_scale, self.cfg.shift, encoded=(enc, pooled, neg))
+        with self._onload(self.autoencoders):  # model.offload: the VAE visits the device to decode
+            return self.model.generate(texts, [seed + i for i in range(len(texts))], self.cfg.eval_steps,
+                                       self.cfg.eval_cfg_scale, self.cfg.shift, encoded=(enc, pooled, neg))
 
     # ---------------------------------------------------------------------------------------------- save/load
     def save_pretrained(self, path: str) -> None:
