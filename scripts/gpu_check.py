@@ -201,9 +201,9 @@ def check_recipe(config: str, overrides: list[str], device: str, out_dir: str) -
                            f"expected iteration 3 of 3")
     train = {r["step"]: r for r in map(json.loads, open(os.path.join(out_dir, "metrics.jsonl")))
              if "reward/overall_mean" in r}  # one line per trained iteration, the resumed run's appended
-    if sorted(train) != [0, 1, 2]:
-        raise RuntimeError(f"metrics.jsonl holds training lines for iterations {sorted(train)}, expected [0, 1, 2]")
-    m = train[1]
+    if sorted(train) != [1, 2, 3]:  # step = iterations done
+        raise RuntimeError(f"metrics.jsonl holds training lines for steps {sorted(train)}, expected [1, 2, 3]")
+    m = train[2]
     eval_end = {k: v for k, v in first["eval_end"].items() if isinstance(v, (int, float))}
     return {"seconds": m["perf/iteration_s"], "samples_per_s": m["perf/samples_per_s"], "peak_mib": peak.mib,
             "resume_peak_mib": resume_peak.mib, "loss": m["train/loss"], "reward": m["reward/overall_mean"],
