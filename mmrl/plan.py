@@ -1,6 +1,11 @@
 """`mmrl plan CONFIG [--arch NAME] [--world N] [--cp D] [key=value ...]`: what a run costs per GPU before any weight
 is loaded.
 
+Measured (`measured=True`, what the command does): one iteration at real size on fake tensors under a fake process
+group of world x cp ranks, through the trainer's own FSDP2 layout, the model's forward and backward, AdamW and the
+EMA, tracked by torch's MemTracker per phase: start-up, sampling, decode, training, save (mmrl/plan_measure.py).
+By hand (always; the breakdown it prints beside the phases):
+
 The trained model (a flow transformer, or a token policy's language model) is instantiated on the meta device at
 real size (from `model.path`'s config files, or from a published architecture: mmrl/models/architectures.py),
 with the run's dtype and LoRA, and one training micro-batch is run through it on meta
