@@ -146,12 +146,15 @@ class ObjectiveConfig:
 class AlgoConfig:
     advantage: str = "grpo"       # ADVANTAGES key
     global_std: bool = False      # normalize by the batch std instead of the group std
-    adv_eps: float = 1e-4
+    adv_std: str = "auto"         # the group std: population (ddof 0; flow_grpo) | sample (ddof 1; verl, TRL); auto =
+                                  # population for flow policies, sample for token ones (resolved at load, validate)
+    adv_eps: float | None = None  # added to the std; None = the chosen std's reference: population 1e-4, sample 1e-6
     adv_clip: float = 5.0         # |A| <= 5 (Flow-GRPO)
     policy_loss: str = "ppo_clip"  # POLICY_LOSSES key (or algo.objective: {name, kwargs}, mmrl/algorithms/objective.py)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     clip_range: float = 1e-4      # Flow-GRPO SD3 with mean-reduced log-probs: 1e-4
     clip_range_high: float | None = None  # DAPO clip-higher; None = clip_range
+    clip_ratio_c: float = 3.0     # dual-clip PPO (verl's clip_ratio_c): for A < 0 the loss is at most -c A; 0 = off
     loss_agg: str = "seq_mean_token_mean"  # LOSS_AGG key
     kl: str = "flow_mean"         # KL_ESTIMATORS key (used when kl_coef > 0)
     kl_coef: float = 0.0          # beta; Flow-GRPO GenEval: 0.004 .. 0.04; GRPO-Guard: 0
@@ -314,6 +317,12 @@ class Config:
                               "policies: set train.micro_batch=0 or algo.ratio=none")
         if not 0 <= t.ema_decay < 1:
             raise ConfigError(f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
+        _choice("algo.adv_std", self.algo.adv_std, ("auto", "population", "sample"))
+        if self.algo.adv_std == "auto":  # resolved once here, so the run's saved config names the std it used
+            self.algo.adv_std = "sample" if policy_kind(self.model.policy) == "token" else "population"
+        if self.algo.clip_ratio_c and self.algo.clip_ratio_c <= 1:
+            raise ConfigError(f"algo.clip_ratio_c must be > 1 (dual-clip bound on -A r for A < 0; verl uses 3) or 0 "
+                              f"(off), got {self.algo.clip_ratio_c}")
         if self.algo.clip_range <= 0:
             raise ConfigError(f"algo.clip_range must be > 0, got {self.algo.clip_range}")
         if self.algo.tis_cap < 0 or 0 < self.algo.tis_cap < 1:

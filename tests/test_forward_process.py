@@ -70,7 +70,7 @@ def test_nft_on_policy_gradient_is_advantage_weighted_matching():
 
 
 def test_awm_is_the_clipped_advantage_weighted_matching_loss():
-    cfg = SimpleNamespace(clip_range=0.1, clip_range_high=None)
+    cfg = SimpleNamespace(clip_range=0.1, clip_range_high=None, clip_ratio_c=3.0)
     old = torch.tensor([[-0.5, -0.5]])                     # -l_old
     lp = torch.tensor([[-0.3, -0.7]], requires_grad=True)  # -l: ratios e^0.2 = 1.2214 (clipped to 1.1), e^-0.2
     loss, s = POLICY_LOSSES["awm"](lp, old, torch.tensor([1.0]), cfg)

@@ -15,25 +15,44 @@ from mmrl.registry import Registry
 ADVANTAGES = Registry("advantage estimator")
 
 
-def group_stats(rewards: torch.Tensor, group_id: torch.Tensor, valid: torch.Tensor):
-    """Per-sample group mean, std (population, ddof=0) and valid count, each [N], over valid members only."""
+# The group std and the epsilon added to it, as each reference computes them (docs/algorithms.md §2):
+#   population: ddof 0, + 1e-4 -- flow_grpo's PerPromptStatTracker.update (np.std(...) + 1e-4)
+#   sample:     ddof 1, + 1e-6 -- verl's core_algos.compute_grpo_outcome_advantage (torch.std, epsilon=1e-6)
+# At G = 4 the two differ by sqrt(G / (G - 1)) = 1.155. algo.adv_std=auto is resolved at load from model.policy
+# (flow: population, token: sample; Config.validate); an AlgoConfig used on its own keeps "auto" = population.
+STD_KINDS = {"population": (0, 1e-4), "sample": (1, 1e-6)}  # name -> (ddof, reference epsilon)
+
+
+def std_kind(a) -> tuple[int, float]:
+    """(ddof, eps) of algo.adv_std and algo.adv_eps (None = the chosen std's reference epsilon)."""
+    kind = "population" if a.adv_std == "auto" else a.adv_std
+    if kind not in STD_KINDS:
+        raise ConfigError(f"algo.adv_std={a.adv_std!r}: use population (flow_grpo), sample (verl, TRL) or auto")
+    ddof, eps = STD_KINDS[kind]
+    return ddof, eps if a.adv_eps is None else a.adv_eps
+
+
+def group_stats(rewards: torch.Tensor, group_id: torch.Tensor, valid: torch.Tensor, ddof: int = 0):
+    """Per-sample group mean, std (ddof 0: population, 1: sample) and valid count, each [N], over valid members."""
     ids = torch.unique(group_id, return_inverse=True)[1]  # [N] dense 0..K-1
     k = int(ids.max()) + 1 if ids.numel() else 0
     w = valid.to(rewards.dtype)
     r = torch.where(valid, rewards, torch.zeros_like(rewards))
     cnt = torch.zeros(k, dtype=rewards.dtype).index_add_(0, ids, w)
     mean = torch.zeros(k, dtype=rewards.dtype).index_add_(0, ids, r) / cnt.clamp(min=1)
-    var = torch.zeros(k, dtype=rewards.dtype).index_add_(0, ids, w * (r - mean[ids]) ** 2) / cnt.clamp(min=1)
+    sq = torch.zeros(k, dtype=rewards.dtype).index_add_(0, ids, w * (r - mean[ids]) ** 2)  # [K] sums of squares
+    var = sq / (cnt - ddof).clamp(min=1)  # a group of one has sum 0 (and gets advantage 0 below)
     return mean[ids], var.sqrt()[ids], cnt[ids]
 
 
 def _normalized(rewards, group_id, valid, cfg, scale: bool):
     rewards = rewards.double()
-    mean, std, cnt = group_stats(rewards, group_id, valid)
+    ddof, eps = std_kind(cfg)
+    mean, std, cnt = group_stats(rewards, group_id, valid, ddof)
     adv = rewards - mean
     if scale:
-        denom = rewards[valid].std(unbiased=False) if cfg.global_std else std
-        adv = adv / (denom + cfg.adv_eps)
+        denom = rewards[valid].std(correction=ddof) if cfg.global_std else std
+        adv = adv / (denom + eps)
     adv = torch.where(valid & (cnt > 1), adv, torch.zeros_like(adv)).clamp(-cfg.adv_clip, cfg.adv_clip)
     ids = torch.unique(group_id, return_inverse=True)[1]
     zero_std = (std < 1e-8) & valid
@@ -45,7 +64,8 @@ def _normalized(rewards, group_id, valid, cfg, scale: bool):
 
 @ADVANTAGES.register("grpo")
 def grpo(rewards, group_id, valid, cfg):
-    """A_i = (r_i - mean_g) / (std_g + eps); std over the whole batch when cfg.global_std; |A| <= cfg.adv_clip."""
+    """A_i = (r_i - mean_g) / (std_g + eps), std_g population or sample (algo.adv_std, STD_KINDS); std over the whole
+    batch when cfg.global_std; |A| <= cfg.adv_clip."""
     return _normalized(rewards, group_id, valid, cfg, scale=True)
 
 
@@ -86,7 +106,7 @@ def gdpo(rewards: dict, weights: dict | None, group_id, valid, cfg, estimator):
         stats[f"adv/{k}/zero_std_group_frac"] = s_k["adv/zero_std_group_frac"]
     v = total[valid]
     mean, std = (v.mean(), v.std(unbiased=False)) if v.numel() else (0.0, 1.0)
-    adv = torch.where(valid, (total - mean) / (std + cfg.adv_eps), torch.zeros_like(total)).clamp(-cfg.adv_clip, cfg.adv_clip)
+    adv = torch.where(valid, (total - mean) / (std + std_kind(cfg)[1]), torch.zeros_like(total)).clamp(-cfg.adv_clip, cfg.adv_clip)
     stats["adv/abs_mean"] = adv[valid].abs().mean().item() if valid.any() else 0.0
     stats["adv/zero_std_group_frac"] = estimator(rewards["overall"], group_id, valid, cfg)[1]["adv/zero_std_group_frac"]
     return adv.float(), stats
@@ -105,7 +125,7 @@ def batch_normalized(rewards: dict, weights: dict | None, group_id, valid, cfg, 
         r = component(rewards, k).double()
         v = r[valid]
         mean, std = (v.mean(), v.std(unbiased=False)) if v.numel() else (0.0, 1.0)
-        total += w * (r - mean) / (std + cfg.adv_eps)
+        total += w * (r - mean) / (std + std_kind(cfg)[1])
     return estimator(torch.where(valid, total, torch.zeros_like(total)).float(), group_id, valid, cfg)
 
 

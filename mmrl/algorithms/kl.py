@@ -18,6 +18,13 @@ def k1(cur, ref):
     return cur.log_prob - ref.log_prob
 
 
+@KL_ESTIMATORS.register("k2")
+def k2(cur, ref):
+    """k2 = 0.5 (logp - logp_ref)^2 (Schulman's "Approximating KL divergence"; verl's kl_penalty "mse" / "k2"):
+    non-negative, biased, low variance; its gradient is (logp - logp_ref) grad logp, the k1 loss's in expectation."""
+    return 0.5 * (cur.log_prob - ref.log_prob).pow(2)
+
+
 @KL_ESTIMATORS.register("k3")
 def k3(cur, ref):
     """k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1 (Schulman's low-variance, non-negative estimator)."""

@@ -35,20 +35,28 @@ def _per_action(adv: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 @POLICY_LOSSES.register("ppo_clip")
 def ppo_clip(log_prob, old_log_prob, advantages, cfg):
     """L = -min(r A, clip(r, 1 - eps_lo, 1 + eps_hi) A), r = exp(logp - logp_old) per action.
-    eps_hi = cfg.clip_range_high (DAPO clip-higher) or cfg.clip_range."""
+    eps_hi = cfg.clip_range_high (DAPO clip-higher) or cfg.clip_range. Dual-clip (Ye et al. 2020, arXiv 1912.09729;
+    verl's core_algos.compute_policy_loss, clip_ratio_c): for A < 0 the loss is min(L, -c A), c = cfg.clip_ratio_c
+    (0 = off), so a far-off-policy action with r > c and a negative advantage stops pulling (its gradient is 0)."""
     adv = _per_action(advantages, log_prob)
     eps_lo = cfg.clip_range
     eps_hi = cfg.clip_range_high if cfg.clip_range_high is not None else cfg.clip_range
     ratio = torch.exp(log_prob - old_log_prob)
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - eps_lo, 1 + eps_hi) * adv
-    loss = -torch.minimum(unclipped, clipped)
+    loss = -torch.minimum(unclipped, clipped)                                      # [n, A]
+    c = cfg.clip_ratio_c
+    if c:
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * c), loss)
     with torch.no_grad():
         clip_frac = (clipped < unclipped).float()
-    return loss, {"ratio": ratio.detach(), "clipped": clip_frac}
+    stats = {"ratio": ratio.detach(), "clipped": clip_frac}
+    if c:
+        stats["dual_clipped"] = ((adv < 0) & (ratio > c)).float()
+    return loss, stats
 
 
-ppo_clip.knobs = ("clip_range", "clip_range_high")
+ppo_clip.knobs = ("clip_range", "clip_range_high", "clip_ratio_c")
 
 
 @LOSS_AGG.register("seq_mean_token_mean")
@@ -57,6 +65,13 @@ def seq_mean_token_mean(loss, mask, num_samples, num_actions):
     m = mask.to(loss.dtype)
     per_seq = (loss * m).sum(-1) / m.sum(-1).clamp(min=1)
     return per_seq.sum() / num_samples
+
+
+@LOSS_AGG.register("seq_mean_token_sum")
+def seq_mean_token_sum(loss, mask, num_samples, num_actions):
+    """verl's agg_loss "seq-mean-token-sum": each sample's summed action losses, mean over samples (a long
+    completion weighs by its length; no length normalization inside a sample)."""
+    return (loss * mask.to(loss.dtype)).sum() / num_samples
 
 
 @LOSS_AGG.register("token_mean")
