@@ -40,12 +40,13 @@ def _build(cls, data: dict, where: str):
     for key, value in data.items():
         if key not in names:
             close = difflib.get_close_matches(key, list(names), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            hint = f". Did you mean {close[0]!r}?" if close else ""
             if key in OTHER_NAMES:
-                hint = f" Did you mean {OTHER_NAMES[key]!r}? (docs/python-api.md maps TRL's names to mmrl's)"
-            path = f"{where}.{key}" if where else key
-            raise ConfigError(f"unknown config key {path!r}; valid keys{' of ' + where if where else ''}: "
-                              f"{sorted(names)}.{hint}")
+                hint = f". Did you mean {OTHER_NAMES[key]!r}? (docs/python-api.md maps TRL's names to mmrl's)"
+            path = f"{where}.{key}" if where else key  # the suggestion first: the list of keys is long
+            valid = f"valid keys{' of ' + where if where else ''}: {sorted(names)}"
+            raise ConfigError(f"unknown config key {path!r}{hint} ({valid})" if hint else
+                              f"unknown config key {path!r}; {valid}")
         f = names[key]
         sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
         if sub is not None and dataclasses.is_dataclass(sub):

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import os
 
@@ -88,6 +90,28 @@ def _check_layout(cfg, world: int, cp: int, folder: bool) -> None:
                           world * cp, folder=folder)
 
 
+class _NoCastWarning(logging.Filter):
+    """Drops diffusers' "There are modules in X that should be kept in float32 ... Casting directly with `to()`"
+    line: the plan casts skeletons on the meta device to count bytes, so each plan printed it once per model part
+    (two lines before its output) about a cast that never runs on weights."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "should be kept in float32" not in record.getMessage()
+
+
+def _without_cast_warnings(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        logger, quiet = logging.getLogger("diffusers.models.modeling_utils"), _NoCastWarning()
+        logger.addFilter(quiet)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            logger.removeFilter(quiet)
+    return wrapped
+
+
+@_without_cast_warnings
 def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int = 1, cp: int = 1,
          measured: bool = False, device: str = "cuda") -> dict:
     """The per-GPU cost of one iteration of config `cfg` (see the module docstring).

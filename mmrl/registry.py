@@ -62,8 +62,10 @@ class Registry(dict):
                                   f"module's file in the working directory or next to the config file (the mmrl command "
                                   f"looks there), or on PYTHONPATH") from e
         close = difflib.get_close_matches(str(name), list(self), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise UnknownName(f"unknown {self.axis} {name!r}; valid: {sorted(self)} or a package.module:Name path.{hint}")
+        hint = f". Did you mean {close[0]!r}?" if close else ""  # first: the list of names is long
+        valid = f"valid: {sorted(self)} or a package.module:Name path"
+        raise UnknownName(f"unknown {self.axis} {name!r}{hint} ({valid})" if hint else
+                          f"unknown {self.axis} {name!r}; {valid}")
 
     def get(self, name, default=None):
         try:

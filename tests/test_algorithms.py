@@ -136,5 +136,5 @@ def test_kl_estimators():
 
 
 def test_registry_error_lists_valid_keys():
-    with pytest.raises(KeyError, match=r"valid: \['dr_grpo', 'grpo'\] or a package.module:Name path. Did you mean 'grpo'"):
+    with pytest.raises(KeyError, match=r"Did you mean 'grpo'\? \(valid: \['dr_grpo', 'grpo'\] or a package.module:Name path"):
         ADVANTAGES["grp"]

@@ -39,7 +39,7 @@ def test_overrides_and_types():
 @pytest.mark.parametrize("override, message", [
     ("train.lrr=1", r"unknown config key 'train.lrr'.*Did you mean 'lr'"),
     ("trian.lr=1", r"unknown config key 'trian'.*valid keys: \['algo', 'log', 'model'"),
-    ("algo.advantage=grpoo", r"algo.advantage: unknown advantage estimator 'grpoo'; valid: \['dr_grpo', 'grpo'\]"),
+    ("algo.advantage=grpoo", r"algo.advantage: unknown advantage estimator 'grpoo'. Did you mean 'grpo'\? \(valid: \['dr_grpo', 'grpo'\]"),
     ("algo.policy_loss=ppo", r"valid: \['awm', 'awm_anchored', 'dgpo', 'dpo', 'flow_dppo', 'nft', 'ppo_clip'\]"),
     ("sampler.kind=ddpm", r"sampler.kind: invalid value 'ddpm'; valid: \['flow_grpo', 'dance', 'cps'\]"),
     ("reward.name=clip", r"reward.name: unknown reward 'clip'; valid: \[.*'shapes'"),
