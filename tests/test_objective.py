@@ -39,6 +39,24 @@ def test_policy_loss_kl_and_anchor_compose_to_hand_numbers():
     assert where.tolist() == [[False], [True]] and values[1, 0].item() == pytest.approx(0.3)
 
 
+def test_dual_clip_k2_and_seq_mean_token_sum_compose_to_hand_numbers():
+    """verl's token pieces through a loaded config: ppo_clip with dual-clip c = 2 (a sub-config knob), + 0.1 k2, then
+    seq-mean-token-sum. Row 0 (A = -1): r = 4 -> PPO max(4, 1.2) = 4, dual-clip min(4, 2) = 2, k2 0.5 ln(4)^2 =
+    0.960906 -> 2.0960906; r = 1 -> 1. Row 1 (A = +1): r = 1 -> -1; r = e^0.5 -> clipped 1.2 -> -1.2, k2 0.125 ->
+    -1.1875. Per-sequence sums 3.0960906 and -2.1875, mean 0.4542953."""
+    cfg = load_config(None, ["model.policy=token", "algo.objective.name=ppo_clip", "algo.kl=k2", "algo.kl_coef=0.1",
+                             "algo.objective.kwargs={clip_range: 0.2, clip_ratio_c: 2.0}", "algo.loss_agg=seq_mean_token_sum"])
+    obj = build_objective(cfg.algo)
+    logp = torch.tensor([[4.0, 1.0], [1.0, 1.0]]).log() + torch.tensor([[0.0, 0.0], [0.0, 0.5]])  # [2, 2]
+    zeros = torch.zeros(2, 2)
+    loss, stats = obj.per_action(batch(logp, zeros, torch.tensor([-1.0, 1.0]), PolicyOutput(zeros, {})))
+    torch.testing.assert_close(loss, torch.tensor([[2.0 + 0.05 * torch.tensor(4.0).log().item() ** 2, 1.0],
+                                                   [-1.0, -1.1875]]))
+    assert stats["dual_clipped"].tolist() == [[1.0, 0.0], [0.0, 0.0]]
+    total = obj.aggregate(loss, torch.ones(2, 2, dtype=torch.bool), 2, 4)
+    assert total.item() == pytest.approx((2.0960906 + 1.0 - 2.1875) / 2, abs=1e-6)
+
+
 def test_objective_sub_config_sets_the_loss_and_its_knobs():
     cfg = load_config(None, ["algo.objective.name=ppo_clip", "algo.objective.kwargs={clip_range: 0.5}"])
     obj = build_objective(cfg.algo)
