@@ -138,6 +138,8 @@ TRAIN_TIME_CHECKS = {
     "rewards/grounding.py": ("GroundingReward.__init__",),
     "rewards/video.py": ("FrameReward.__init__",),
     "mmrl/runs.py": ("prepare_run_dir",),
+    "tasks/geneval.py": ("read_metadata", "GenEvalTask.__init__"),
+    "tasks/arithmetic.py": ("problems",),
 }
 NOT_HERE = {  # raise sites no CPU test can reach, and why
     "mmrl/task.py:read_dataset#2": "a saved DatasetDict without the split: needs the datasets library (not installed)",
@@ -190,7 +192,8 @@ def train_time_errors(tmp_path) -> list[tuple[str, list, str]]:
     (held / "metrics.jsonl").write_text("{}\n")
     changed.mkdir()
     (changed / "config.json").write_text('{"model": {"path": "/some/other/model"}}')
-    pf = [SHAPES, "task.name=prompt_file"]
+    no_rows = write("no_rows.jsonl", "\n")
+    pf, ge, ar = [SHAPES, "task.name=prompt_file"], [SHAPES, "task.name=geneval"], [SHAPES, "task.name=arithmetic"]
     multi = "reward.name=multi"
     return [
         ("mmrl/task.py:PromptFileTask.__init__#1", pf + [f"task.prompt_file={two}", "task.kwargs={dataset: x/y}"],
@@ -237,6 +240,15 @@ def train_time_errors(tmp_path) -> list[tuple[str, list, str]]:
          [SHAPES, "reward.name=grounding", "reward.kwargs={hit_threshold: 0}"], "hit_threshold must be in (0, 1], got 0"),
         ("rewards/video.py:FrameReward.__init__#1",
          [SHAPES, "reward.name=video_frames", "reward.kwargs={reward: shapes, agg: max}"], "FrameReward agg='max'"),
+        ("tasks/geneval.py:read_metadata#1", ge + [f"task.kwargs={{metadata: {t / 'nope.jsonl'}}}"],
+         f"task.kwargs.metadata='{t / 'nope.jsonl'}' does not exist; give a GenEval"),
+        ("tasks/geneval.py:read_metadata#2", ge + [f"task.kwargs={{metadata: {no_rows}}}"], f"{no_rows} has no metadata rows"),
+        ("tasks/geneval.py:GenEvalTask.__init__#1", ge + [f"task.prompt_file={two}"],
+         "task.name=geneval reads GenEval metadata from task.kwargs.metadata"),
+        ("tasks/geneval.py:GenEvalTask.__init__#2", ge + ["task.kwargs={tags: [colour_fun]}"],
+         "task.kwargs.tags has ['colour_fun']"),
+        ("tasks/arithmetic.py:problems#1", ar + ["task.kwargs={ops: '+%'}"], "ops='+%': unknown operators ['%']"),
+        ("tasks/arithmetic.py:problems#2", ar + ["task.kwargs={lo: 50, hi: 10}"], "operand range [50, 10] is empty"),
         ("mmrl/runs.py:prepare_run_dir#1", [SHAPES, f"log.out_dir={held}", "--resume", "--overwrite"],
          "--resume continues the run in log.out_dir and --overwrite deletes it: give one"),
         ("mmrl/runs.py:prepare_run_dir#2", [SHAPES, f"log.out_dir={held}"],
