@@ -194,7 +194,8 @@ def train_time_errors(tmp_path) -> list[tuple[str, list, str]]:
     (changed / "config.json").write_text('{"model": {"path": "/some/other/model"}}')
     no_rows = write("no_rows.jsonl", "\n")
     pf, ge, ar = [SHAPES, "task.name=prompt_file"], [SHAPES, "task.name=geneval"], [SHAPES, "task.name=arithmetic"]
-    multi = "reward.name=multi"
+    gr = [SHAPES, "reward.name=grounding"]
+    multi, comp = "reward.name=multi", "reward.kwargs={components: {s: {name: shapes, weight: %s}}}"
     return [
         ("mmrl/task.py:PromptFileTask.__init__#1", pf + [f"task.prompt_file={two}", "task.kwargs={dataset: x/y}"],
          "give task.prompt_file or task.kwargs.dataset, not both"),
@@ -204,7 +205,8 @@ def train_time_errors(tmp_path) -> list[tuple[str, list, str]]:
         # the config check names it first (a missing eval_file: the path check), the same input error
         ("mmrl/task.py:read_prompts#1", pf, "task.name=prompt_file needs task.prompt_file=PATH"),
         ("mmrl/task.py:read_prompts#2", pf + [f"task.prompt_file={json_file}"], ".json is not read; write one object"),
-        ("mmrl/task.py:read_prompts#3", pf + [f"task.prompt_file={empty}"], f"task.prompt_file='{empty}' has no prompts"),
+        ("mmrl/task.py:read_prompts#3", pf + [f"task.prompt_file={empty}"],
+         f"task.prompt_file='{empty}' has no prompts"),
         # the byte is named by validate's line-by-line UTF-8 check, which comes first (the same input error)
         ("mmrl/task.py:_decode#1", pf + [f"task.prompt_file={latin1}"], f"{latin1}:1: not UTF-8"),
         ("mmrl/task.py:jsonl_rows#1", pf + [f"task.prompt_file={bad_jsonl}"], f"{bad_jsonl}:2: not valid JSON"),
@@ -217,12 +219,12 @@ def train_time_errors(tmp_path) -> list[tuple[str, list, str]]:
          "heldout_fraction must be in (0, 1), got 1.5"),
         ("mmrl/task.py:split_heldout#2", pf + [f"task.prompt_file={one}", "task.kwargs={heldout_fraction: 0.5}"],
          "needs at least 2 distinct prompts, got 1"),
-        ("mmrl/reward.py:weight_schedule#1", [SHAPES, multi, "reward.kwargs={components: {s: {name: shapes, weight: .nan}}}"],
+        ("mmrl/reward.py:weight_schedule#1", [SHAPES, multi, comp % ".nan"],
          "a weight must be finite"),
-        ("mmrl/reward.py:weight_schedule#2", [SHAPES, multi, "reward.kwargs={components: {s: {name: shapes, weight: x}}}"],
+        ("mmrl/reward.py:weight_schedule#2", [SHAPES, multi, comp % "x"],
          "give a number or a list of [iteration, weight] points"),
         ("mmrl/reward.py:weight_schedule#3",
-         [SHAPES, multi, "reward.kwargs={components: {s: {name: shapes, weight: [[5, 1], [2, 0]]}}}"],
+         [SHAPES, multi, comp % "[[5, 1], [2, 0]]"],
          "the points need iterations >= 0 in increasing order"),
         ("mmrl/reward.py:MultiReward.__init__#1", [SHAPES, multi, "reward.kwargs={components: {}}"],
          "reward.name=multi needs reward.kwargs.components"),
@@ -230,19 +232,21 @@ def train_time_errors(tmp_path) -> list[tuple[str, list, str]]:
          "reward component label 'a/b' must not contain '/'"),
         ("rewards/shapes.py:ShapesReward.__init__#1", [SHAPES, "reward.kwargs={strict_weight: 2}"],
          "strict_weight must be in [0, 1], got 2"),
-        ("rewards/motion.py:MotionReward.__init__#1", [SHAPES, "reward.name=motion", "reward.kwargs={correct_weight: 2}"],
+        ("rewards/motion.py:MotionReward.__init__#1",
+         [SHAPES, "reward.name=motion", "reward.kwargs={correct_weight: 2}"],
          "correct_weight must be in [0, 1], got 2"),
-        ("rewards/grounding.py:GroundingReward.__init__#1", [SHAPES, "reward.name=grounding", "reward.kwargs={accuracy: f1}"],
+        ("rewards/grounding.py:GroundingReward.__init__#1", gr + ["reward.kwargs={accuracy: f1}"],
          "accuracy must be 'iou' or 'iou_v2', got 'f1'"),
-        ("rewards/grounding.py:GroundingReward.__init__#2", [SHAPES, "reward.name=grounding", "reward.kwargs={coarse: x}"],
+        ("rewards/grounding.py:GroundingReward.__init__#2", gr + ["reward.kwargs={coarse: x}"],
          "coarse must be one of"),
         ("rewards/grounding.py:GroundingReward.__init__#3",
-         [SHAPES, "reward.name=grounding", "reward.kwargs={hit_threshold: 0}"], "hit_threshold must be in (0, 1], got 0"),
+         gr + ["reward.kwargs={hit_threshold: 0}"], "hit_threshold must be in (0, 1], got 0"),
         ("rewards/video.py:FrameReward.__init__#1",
          [SHAPES, "reward.name=video_frames", "reward.kwargs={reward: shapes, agg: max}"], "FrameReward agg='max'"),
         ("tasks/geneval.py:read_metadata#1", ge + [f"task.kwargs={{metadata: {t / 'nope.jsonl'}}}"],
          f"task.kwargs.metadata='{t / 'nope.jsonl'}' does not exist; give a GenEval"),
-        ("tasks/geneval.py:read_metadata#2", ge + [f"task.kwargs={{metadata: {no_rows}}}"], f"{no_rows} has no metadata rows"),
+        ("tasks/geneval.py:read_metadata#2", ge + [f"task.kwargs={{metadata: {no_rows}}}"],
+         f"{no_rows} has no metadata rows"),
         ("tasks/geneval.py:GenEvalTask.__init__#1", ge + [f"task.prompt_file={two}"],
          "task.name=geneval reads GenEval metadata from task.kwargs.metadata"),
         ("tasks/geneval.py:GenEvalTask.__init__#2", ge + ["task.kwargs={tags: [colour_fun]}"],
