@@ -112,7 +112,12 @@ def parse_overrides(items: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.lr=1e-4)")
         k, v = item.split("=", 1)
-        _set_dotted(out, k.strip(), yaml.load(v, Loader=Yaml12Loader) if v != "" else "")
+        try:
+            value = yaml.load(v, Loader=Yaml12Loader) if v != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: its value is not valid YAML ({str(e).splitlines()[0]}); quote it "
+                              f"for the shell, e.g. '{k.strip()}={{a: 1, b: 2}}'") from None
+        _set_dotted(out, k.strip(), value)
     return out
 
 

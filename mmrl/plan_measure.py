@@ -16,8 +16,8 @@ before keeping its shard):
   decode    + the VAE decode of one sampling chunk (the chain freed);
   train     + AdamW's state (2 x fp32, sharded; made by the first step, held from then on), the KL reference's
             no-grad forward when the objective needs it, two micro-batches' forward and
-            backward (the first under `no_sync` when an optimizer step has several: FSDP2 then accumulates
-            unsharded gradients), the AdamW step and the EMA update;
+            backward (DDP: the first under `no_sync` when an optimizer step has several; FSDP2 reduce-scatters
+            each backward and accumulates sharded gradients), the AdamW step and the EMA update;
   save      + the EMA swapped in and each trained tensor gathered whole, one at a time (what a save holds on top of
             the shards).
 Rollout storage, the chain and the text cache are sized by hand (mmrl/plan.py) and held as fake allocations. Text
@@ -319,7 +319,5 @@ def token_workload(cfg, model, *, chunk: int, m: int, seq: int, kept: int, needs
 
     return Workload([model], reference, [], lambda: forward(model, chunk, True),
                     lambda ref: forward(reference[0] if ref and reference else model, m, False), None, kept, 0,
-                    # one pass, synced: the vision tower never runs here (token ids stand in for the media), and
-                    # FSDP2's no_sync post-backward fails on a unit that did not run; accumulating unsharded
-                    # gradients (see the flow plan) is then not counted
+                    # one pass, synced: the vision tower never runs here (token ids stand in for the media)
                     1, needs_reference, cfg.train.ema_decay, shard_reference=False)

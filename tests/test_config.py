@@ -89,3 +89,11 @@ def test_vlm_is_an_alias_of_token():
     from mmrl.policy import POLICIES
 
     assert POLICIES["vlm"] is POLICIES["token"] and a.sampler.temperature == 0.7
+
+
+def test_an_override_whose_value_is_not_yaml_is_one_config_error():
+    """`reward.kwargs={strict_weight:` (a shell-split value) crashed with a YAML traceback."""
+    from mmrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"override 'reward.kwargs=\{strict_weight:': its value is not valid YAML"):
+        load_config(None, ["reward.kwargs={strict_weight:"])
