@@ -8,9 +8,9 @@ What is checked beyond the config's keys, types and registry names (mmrl.compose
   durations, reward kwargs *_path / *_dir / *_file): exists; prompt files are UTF-8 (file:line of a bad byte);
 - every reward / task kwarg is one its factory takes (nested rewards and judges too);
 - the multi-process rules for N processes (mmrl.distributed.check_parallel_config);
-- the task is built as train builds it (compose.build_task: an empty prompt file, a JSONL line that is not JSON,
-  a CSV without its prompt column, a held-out split that cannot be made ... fail here, not after the weights
-  load), except a task that writes its data (`writes_files = True`: the grounding world renders videos once, on
+- `mmrl validate` builds the task as train does (compose.build_task: an empty prompt file, a JSONL line that is not
+  JSON, a CSV without its prompt column, a held-out split that cannot be made ... fail here; `mmrl train` builds it
+  once, first thing in the Trainer, before any weights load), except a task that writes its data (`writes_files = True`: the grounding world renders videos once, on
   rank 0); the rewards whose building loads no weights are built too (LIGHT_REWARDS, a plain reward function,
   reward.name=multi of those): their value checks (a weight out of [0, 1], a bad schedule) fail here;
 - with `run_dir=(resume, overwrite)` (`mmrl validate --resume / --overwrite`), log.out_dir as train would take it
@@ -65,8 +65,8 @@ def check(cfg: Config, nproc: int = 1, config_path: str | None = None,
     files_ok = run(_check_path, "task.prompt_file", cfg.task.prompt_file, config_path, True) \
         if cfg.task.prompt_file else True
     if run(_check_kwargs, compose.TASKS, cfg.task.name, cfg.task.kwargs, "task", config_path) and files_ok \
-            and not getattr(TASKS[cfg.task.name], "writes_files", False):
-        run(compose.build_task, cfg.task)  # what train builds after the weights load: its content checks, now
+            and run_dir is not None and not getattr(TASKS[cfg.task.name], "writes_files", False):
+        run(compose.build_task, cfg.task)  # validate: what train builds first (train builds it itself, once)
     for key in ("name", "eval_name"):
         name = getattr(cfg.reward, key)
         if name:

@@ -53,6 +53,9 @@ class Trainer:
         self.dist = Distributed(cfg.train.parallel, cfg.train.context_parallel, cfg.train.cp_kind,
                                 cfg.train.dist_timeout_min)
         ckpt.check_shared_run_dir(cfg.log.out_dir, self.dist)  # several nodes: one run folder they all see
+        # the task before the weights: its input errors (an empty prompt file...) come in seconds, not after a load
+        with self.dist.main_first():  # a task that writes its data (the grounding world) does it once
+            self.task = compose.build_task(cfg.task)
         torch.manual_seed(cfg.train.seed)  # the same initial weights (and LoRA init) on every rank
         self.policy = compose.build_policy(cfg, self.dist)  # under FSDP: loaded into shards by parallelize
         self.objective = build_objective(cfg.algo)  # what each training pass minimizes (its terms)
@@ -63,8 +66,6 @@ class Trainer:
         if self.dist.world > 1:
             self.policy.dist = self.dist  # policies that must keep ranks in lockstep (FSDP decoding) use it
             self.policy.parallelize(lambda m: self.dist.wrap(m, cfg.train.mixed_precision), cfg.train.parallel)
-        with self.dist.main_first():  # a task that writes its data (the grounding world) does it once
-            self.task = compose.build_task(cfg.task)
         self.reward_fn = compose.build_reward(cfg.reward.name, cfg.reward.kwargs)
         self.reward = RewardRunner(self.reward_fn, cfg.reward.on_error, sample_chunk(cfg.train))
         self.eval_reward = self.reward if not cfg.reward.eval_name else RewardRunner(

@@ -22,13 +22,13 @@ SHAPES = os.path.join(ROOT, "configs/t2i/shapes_grpo.yaml")
 def no_weights(monkeypatch):
     """Any weight load fails the test: validate must not reach one."""
     import mmrl.models.pipelines as pipelines
-    import mmrl.policy.flow as flow
+    import mmrl.policy.flow_build as flow_build
 
     def refuse(*a, **k):
         raise AssertionError("validate loaded weights")
 
     monkeypatch.setattr(pipelines, "load_flow_model", refuse)
-    monkeypatch.setattr(flow, "load_flow_model", refuse)
+    monkeypatch.setattr(flow_build, "load_flow_model", refuse)
 
 
 def validate(capsys, *args) -> tuple[int, str, float]:

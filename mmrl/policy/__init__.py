@@ -4,7 +4,7 @@
 from mmrl.registry import Registry
 
 POLICIES = Registry("policy", {
-    "flow": "mmrl.policy.flow:build_flow_policy",
+    "flow": "mmrl.policy.flow_build:build_flow_policy",
     "token": "mmrl.policy.vlm:build_token_policy",
     "vlm": "mmrl.policy.vlm:build_token_policy",  # the former name of `token`, kept as an alias
 })

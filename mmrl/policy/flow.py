@@ -15,22 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 import os
 
 import torch
 
-from mmrl.algorithms.objective import build_objective
 from mmrl.cache import BoundedCache
-from mmrl.config import sample_chunk
 from mmrl.data import PolicyOutput, Rollout, condition_images, group_ids
 from mmrl.errors import ConfigError
-from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, resolve_model_path,
-                              save_lora_adapter, upcast_trainable, write_policy_meta)
+from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, save_lora_adapter, upcast_trainable,
+                              write_policy_meta)
 from mmrl.models.flow_model import EXPERTS, FlowModel
-from mmrl.models.pipelines import load_flow_model
-from mmrl.models.shard_load import copy_shards, load_into_shards, shardable_weights
+from mmrl.models.shard_load import copy_shards, load_into_shards
 from mmrl.policy.flow_checkpoint import (  # noqa: F401  (load_policy_checkpoint: the checkpoint loader's home is there)
     _link_base_parts, _load_transformer_weights, load_policy_checkpoint, save_diffusers_lora)
 from mmrl.rollout.tree import run_tree, trained_steps
@@ -493,44 +489,3 @@ def in_chunks(fn, size: int, *tensors: torch.Tensor) -> torch.Tensor:
     if not size or size >= n or torch.is_grad_enabled():
         return fn(*tensors)
     return torch.cat([fn(*(t[i:i + size] for t in tensors)) for i in range(0, n, size)])
-
-
-def build_flow_policy(cfg, dist=None) -> FlowPolicy:
-    """The flow policy of `cfg`; `dist` (several processes): see `shard_on_load`."""
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
-    device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    path = resolve_model_path(cfg.model.path)
-    if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
-        raise ConfigError(f"{path!r} is an mmrl policy checkpoint; use it with mmrl eval, or set model.path to a "
-                          f"base model folder")
-    options = {"sample_size": cfg.model.sample_size, "num_frames": cfg.model.num_frames, "guidance": cfg.model.guidance,
-               "text_max_length": cfg.model.text_max_length, "family": cfg.model.family}
-    meta = shard_on_load(cfg, dist, path)
-    model = load_flow_model(path, dtype, device, **options, meta=meta)
-    return FlowPolicy(model, cfg.sampler, cfg.model.lora, reference_kind(cfg), path, cfg.log.progress, cfg.tree,
-                      options, sample_chunk(cfg.train), cfg.model.text_cache, cfg.model.offload,
-                      build_objective(cfg.algo).actions, device=resolve_device(device) if meta else None)
-
-
-def shard_on_load(cfg, dist, path: str) -> tuple[str, ...]:
-    """The trained transformers to build on the meta device and load into FSDP2 shards after `parallelize` (so
-    every rank holds 1/world of them from the first byte): full fine-tuning under FSDP on several processes, from
-    safetensors folders. LoRA (the frozen base is sharded after loading, in its own dtype), model.offload (the
-    reference stays whole on the CPU) and folders without safetensors load whole, as in one process."""
-    if dist is None or dist.world <= 1 or dist.parallel != "fsdp" or cfg.model.lora.enabled or cfg.model.offload:
-        return ()
-    if not os.path.isfile(os.path.join(path, "model_index.json")):
-        return ()  # load_flow_model says what the folder lacks
-    index = json.load(open(os.path.join(path, "model_index.json")))
-    names = tuple(n for n in EXPERTS if n == "transformer" or (index.get(n) or [None])[0])
-    if not all(shardable_weights(os.path.join(path, n)) for n in names):
-        log.warning("%s: no safetensors weights in %s; every rank loads the whole transformer before FSDP shards it",
-                    path, ", ".join(n + "/" for n in names))
-        return ()
-    return names
-
-
-def resolve_device(device: str) -> torch.device:
-    """torch.device(device), with a CUDA device's index (this process's current device) filled in."""
-    d = torch.device(device)
-    return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d

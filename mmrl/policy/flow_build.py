@@ -1,0 +1,62 @@
+"""Building a flow policy from a config: the base model loaded (whole, or built on the meta device and read into
+FSDP2 shards by `FlowPolicy.parallelize` when the run shards it), then wrapped as a FlowPolicy."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+from mmrl.algorithms.objective import build_objective
+from mmrl.config import sample_chunk
+from mmrl.errors import ConfigError
+from mmrl.models.flow_model import EXPERTS
+from mmrl.models.pipelines import load_flow_model
+from mmrl.models.shard_load import shardable_weights
+from mmrl.policy.base import reference_kind, resolve_model_path
+from mmrl.policy.flow import FlowPolicy
+
+log = logging.getLogger(__name__)
+
+
+def build_flow_policy(cfg, dist=None) -> FlowPolicy:
+    """The flow policy of `cfg`; `dist` (several processes): see `shard_on_load`."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
+    device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    path = resolve_model_path(cfg.model.path)
+    if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
+        raise ConfigError(f"{path!r} is an mmrl policy checkpoint; use it with mmrl eval, or set model.path to a "
+                          f"base model folder")
+    options = {"sample_size": cfg.model.sample_size, "num_frames": cfg.model.num_frames, "guidance": cfg.model.guidance,
+               "text_max_length": cfg.model.text_max_length, "family": cfg.model.family}
+    meta = shard_on_load(cfg, dist, path)
+    model = load_flow_model(path, dtype, device, **options, meta=meta)
+    return FlowPolicy(model, cfg.sampler, cfg.model.lora, reference_kind(cfg), path, cfg.log.progress, cfg.tree,
+                      options, sample_chunk(cfg.train), cfg.model.text_cache, cfg.model.offload,
+                      build_objective(cfg.algo).actions, device=resolve_device(device) if meta else None)
+
+
+def shard_on_load(cfg, dist, path: str) -> tuple[str, ...]:
+    """The trained transformers to build on the meta device and load into FSDP2 shards after `parallelize` (so
+    every rank holds 1/world of them from the first byte): full fine-tuning under FSDP on several processes, from
+    safetensors folders. LoRA (the frozen base is sharded after loading, in its own dtype), model.offload (the
+    reference stays whole on the CPU) and folders without safetensors load whole, as in one process."""
+    if dist is None or dist.world <= 1 or dist.parallel != "fsdp" or cfg.model.lora.enabled or cfg.model.offload:
+        return ()
+    if not os.path.isfile(os.path.join(path, "model_index.json")):
+        return ()  # load_flow_model says what the folder lacks
+    index = json.load(open(os.path.join(path, "model_index.json")))
+    names = tuple(n for n in EXPERTS if n == "transformer" or (index.get(n) or [None])[0])
+    if not all(shardable_weights(os.path.join(path, n)) for n in names):
+        log.warning("%s: no safetensors weights in %s; every rank loads the whole transformer before FSDP shards it",
+                    path, ", ".join(n + "/" for n in names))
+        return ()
+    return names
+
+
+def resolve_device(device: str) -> torch.device:
+    """torch.device(device), with a CUDA device's index (this process's current device) filled in."""
+    d = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
