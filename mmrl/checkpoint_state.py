@@ -9,6 +9,7 @@ laid out for this run, or plain tensors) says what each rank wants, and each ran
 Layout of checkpoints/iter-N/state/ (DCP's FileSystemWriter: one __R_0.distcp per rank R, plus .metadata):
     model.NAME   the raw trained weights (once)
     ema.NAME     the EMA shadow (train.ema_decay > 0; once)
+    sampling.NAME  the soft-updated sampling policy (train.sampling_ema; once)
     optim.*      AdamW's moments and steps by parameter name (get_optimizer_state_dict)
 
 Integrity: manifest.json, written last, lists every file with its size and sha256. sha256 because hashlib's runs
@@ -64,9 +65,9 @@ def param_names(modules: torch.nn.Module, params: list[torch.Tensor]) -> list[st
     return [names[id(p)] for p in params]
 
 
-def trainer_state_dict(tr, ema: bool) -> dict:
+def trainer_state_dict(tr, ema: bool, sampling: bool = False) -> dict:
     """The DCP state dict of trainer `tr`: its live tensors (local shards under FSDP2), so dcp.save writes them and
-    dcp.load fills them in place. ema: include the EMA shadow."""
+    dcp.load fills them in place. ema / sampling: include the EMA shadow / the sampling policy (train.sampling_ema)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     modules = trained_modules(tr.policy)
@@ -74,32 +75,40 @@ def trainer_state_dict(tr, ema: bool) -> dict:
     sd = {"model": dict(zip(names, tr.params)), "optim": get_optimizer_state_dict(modules, tr.opt)}
     if ema:
         sd["ema"] = dict(zip(names, tr.ema.shadow))
+    if sampling:
+        sd["sampling"] = dict(zip(names, tr.sampling.shadow))
     return sd
 
 
 def save_state(tr, folder: str) -> None:
     """Every rank writes its shards of `tr`'s weights, EMA and optimizer state to `folder` (DCP); collective."""
     with torch.no_grad(), _one_process(tr.dist.world == 1):
-        dcp.save(trainer_state_dict(tr, tr.ema is not None), storage_writer=FileSystemWriter(folder),
+        dcp.save(trainer_state_dict(tr, tr.ema is not None, tr.sampling is not None),
+                 storage_writer=FileSystemWriter(folder),
                  process_group=tr.dist.cpu_group, no_dist=tr.dist.world == 1)
 
 
 def load_state(tr, folder: str, ema: bool) -> None:
     """Fill `tr`'s weights, optimizer state and (ema: saved and wanted) EMA shadow from the DCP `folder`, resharded
-    to this run's layout; collective."""
+    to this run's layout; collective. The sampling policy (train.sampling_ema) is loaded when saved, else it starts
+    from the loaded weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    sd = trainer_state_dict(tr, ema)
+    keys = FileSystemReader(folder).read_metadata().state_dict_metadata
+    sampling = tr.sampling is not None and any(k.startswith("sampling.") for k in keys)
+    sd = trainer_state_dict(tr, ema, sampling)
     # a parameter that never had a gradient before the save (Qwen-Image's last block: its text stream's output is
     # discarded) has no optimizer state there, but torch gives every parameter one here: leave it stateless, as the
     # uninterrupted run has it (Adam starts it at its first gradient)
-    keys = FileSystemReader(folder).read_metadata().state_dict_metadata
     saved = {k[len("optim.state."):].rsplit(".", 1)[0] for k in keys if k.startswith("optim.state.")}
     sd["optim"]["state"] = {n: v for n, v in sd["optim"]["state"].items() if n in saved}
     with torch.no_grad(), _one_process(tr.dist.world == 1):
         dcp.load(sd, storage_reader=FileSystemReader(folder), process_group=tr.dist.cpu_group,
                  no_dist=tr.dist.world == 1)
     set_optimizer_state_dict(trained_modules(tr.policy), tr.opt, sd["optim"], options=StateDictOptions(strict=False))
+    if tr.sampling is not None and not sampling:
+        for s, p in zip(tr.sampling.shadow, tr.params):
+            s.copy_(p.detach())
 
 
 def read_tensors(folder: str, prefix: str) -> dict[str, torch.Tensor]:

@@ -198,6 +198,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     ema_decay: float = 0.0        # 0 = off; else EMA of trainable weights, used for eval and saved
+    sampling_ema: list[float] = field(default_factory=list)  # [rate, cap]: rollouts sample with a soft-updated copy
+                                  # of the weights (DiffusionNFT's old policy), theta_old <- eta theta_old + (1 - eta)
+                                  # theta once per iteration, eta = min(rate x iteration, cap); [] = the current weights
     seed: int = 0
     zero_signal_patience: int = 5  # warn when this many iterations in a row have all-zero advantages (nothing learned)
     threads: int = 0              # torch CPU threads; 0 = leave torch's default
@@ -317,6 +320,9 @@ class Config:
                               "policies: set train.micro_batch=0 or algo.ratio=none")
         if not 0 <= t.ema_decay < 1:
             raise ConfigError(f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
+        if t.sampling_ema and (len(t.sampling_ema) != 2 or t.sampling_ema[0] < 0 or not 0 <= t.sampling_ema[1] < 1):
+            raise ConfigError(f"train.sampling_ema must be [rate, cap] with rate >= 0 and 0 <= cap < 1 (DiffusionNFT: "
+                              f"[0.001, 0.5]), or [] for the current weights; got {t.sampling_ema}")
         _choice("algo.adv_std", self.algo.adv_std, ("auto", "population", "sample"))
         if self.algo.adv_std == "auto":  # resolved once here, so the run's saved config names the std it used
             self.algo.adv_std = "sample" if policy_kind(self.model.policy) == "token" else "population"

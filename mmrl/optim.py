@@ -18,6 +18,12 @@ def lr_scale(it: int, iterations: int, elapsed_min: float, budget_min: float, wa
     return scale
 
 
+def soft_update_decay(it: int, rate: float, cap: float) -> float:
+    """DiffusionNFT's schedule for the sampling policy's soft update at iteration `it`: eta = min(rate x it, cap)
+    (0 at the start: the first rollouts sample with the weights themselves)."""
+    return min(rate * it, cap)
+
+
 class EMA:
     """Exponential moving average of `params` (train.ema_decay): `update()` after each optimizer step;
     `swapped()` puts the averages in the parameters for evaluation and saving, and the raw weights back after.
@@ -33,8 +39,9 @@ class EMA:
         self.after_swap = after_swap
 
     @torch.no_grad()
-    def update(self) -> None:
-        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - self.decay)
+    def update(self, decay: float | None = None) -> None:
+        """shadow <- decay x shadow + (1 - decay) x params (`decay`: this update's, else the constant one)."""
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - (self.decay if decay is None else decay))
 
     @torch.no_grad()
     def _swap(self) -> None:

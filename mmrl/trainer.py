@@ -35,7 +35,7 @@ from mmrl.metrics import Logger, SignalWatch, Timer, per_category, perf
 from mmrl.rollout.collect import Collector
 from mmrl.rollout.contrast import contrast_rollout
 from mmrl.train_stats import PassStats
-from mmrl.optim import EMA, lr_scale
+from mmrl.optim import EMA, lr_scale, soft_update_decay
 from mmrl.preemption import StopRequests, stop_run
 from mmrl.report import log_evaluation
 from mmrl.reward import MultiReward, RewardRunner
@@ -77,6 +77,7 @@ class Trainer:
             raise ConfigError("the policy has no trainable parameters (check model.lora settings)")
         self.opt = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.ema = EMA(self.params, cfg.train.ema_decay, self.dist.reshard) if cfg.train.ema_decay > 0 else None
+        self.sampling = EMA(self.params, 0.0, self.dist.reshard) if cfg.train.sampling_ema else None  # old policy
         self.iteration = 0
         self.watch = SignalWatch(cfg.reward, cfg.task.name, cfg.train.zero_signal_patience)
         self.timed_evals: list[dict] = []
@@ -86,7 +87,7 @@ class Trainer:
         self.elapsed_min = 0.0  # training minutes so far (saved: a resumed run keeps its budget and lr schedule)
         # One optimizer step per epoch: every row's first forward runs under the sampling weights, so the rollout's
         # old log-probs are that forward's (detached) values; policies that must pay a forward for them skip it.
-        self.policy.defer_old_log_prob = cfg.train.minibatches == cfg.train.grad_accum
+        self.policy.defer_old_log_prob = cfg.train.minibatches == cfg.train.grad_accum and self.sampling is None
         self.logger = Logger(cfg.log.out_dir, cfg.log.tensorboard, enabled=self.dist.main, report_to=cfg.log.report_to,
                              config=cfg)
         self.timer = Timer()
@@ -160,7 +161,8 @@ class Trainer:
         if isinstance(self.reward_fn, MultiReward):  # several rewards: their (scheduled) weights at this iteration
             self.reward_fn.set_iteration(it)
             weights = self.reward_fn.weights
-        rollout, rewards, valid, metrics = self.collect(random.Random(seed), torch.Generator().manual_seed(seed))
+        with self.sampling_weights(it):
+            rollout, rewards, valid, metrics = self.collect(random.Random(seed), torch.Generator().manual_seed(seed))
         metrics.update({f"reward/{k}_weight": w for k, w in (weights or {}).items()})
         shaping, extra = REWARD_SHAPINGS[a.reward_shaping], ()
         if getattr(shaping, "needs_contrast", False):  # e.g. T-GRPO: the same prompts with shuffled frames
@@ -304,9 +306,14 @@ class Trainer:
         return loss.item() if weight else 0.0
 
     # -------------------------------------------------------------------------------------------- helpers
-    def ema_weights(self):
-        """The EMA weights in the policy while the context runs (evaluation, saving); nothing when EMA is off."""
+    def ema_weights(self):  # the EMA weights in the policy while the context runs (evaluation, saving), if any
         return self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
+
+    def sampling_weights(self, it: int):
+        """The weights rollouts sample with: the old policy soft-updated first (train.sampling_ema), else the current."""
+        if self.sampling is not None:
+            self.sampling.update(soft_update_decay(it, *self.cfg.train.sampling_ema))
+        return self.sampling.swapped() if self.sampling is not None else contextlib.nullcontext()
 
     def evaluate(self, step: int) -> dict:
         """Held-out benchmark of the current (EMA when enabled) weights; logged as eval/*."""
@@ -327,18 +334,15 @@ class Trainer:
         return res
 
     # ------------------------------------------------------------------------------------- checkpoints
-    def save(self) -> str:
-        """Write checkpoints/iter-N (atomically; mmrl/checkpoint.py) and return its path."""
+    def save(self) -> str:  # checkpoints/iter-N, written atomically (mmrl/checkpoint.py); returns its path
         self.saved_path = ckpt.save_trainer(self)
         self.saved_at = self.iteration
         return self.saved_path
 
-    def resume(self) -> bool:
-        """Load the newest intact checkpoint in log.out_dir; False when there is none."""
+    def resume(self) -> bool:  # the newest intact checkpoint in log.out_dir loaded; False when there is none
         return ckpt.resume_trainer(self)
 
-    def reopen_logger(self, resume: tuple[int | None, int]) -> None:
-        """The logs cut back to a checkpoint (metrics.Logger's `resume`)."""
+    def reopen_logger(self, resume: tuple[int | None, int]) -> None:  # logs cut back to a checkpoint (Logger's resume)
         self.logger.close()
         self.logger = Logger(self.cfg.log.out_dir, self.cfg.log.tensorboard, enabled=self.dist.main, resume=resume,
                              report_to=self.cfg.log.report_to, config=self.cfg)
