@@ -168,6 +168,14 @@ class RewardRunner:
         self.micro_batch = micro_batch  # > 0: a pointwise reward scores this many samples per call
         self.last_error: str | None = None  # the most recent exception, "Type: message", for error reports
 
+    def at_iteration(self, it: int) -> dict[str, float] | None:
+        """A reward with scheduled weights (MultiReward) moved to iteration `it`; returns its weights ({label: w}),
+        None for a reward without them."""
+        if not hasattr(self.fn, "set_iteration"):
+            return None
+        self.fn.set_iteration(it)
+        return self.fn.weights
+
     def __call__(self, outputs, examples: list[dict], group_id: torch.Tensor | None = None
                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
         """-> (rewards {key: [N]} with invalid entries set to 0, valid [N] bool, number of failures).

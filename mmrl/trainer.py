@@ -33,12 +33,12 @@ from mmrl.errors import ConfigError
 from mmrl.evaluation import EVAL_SEED, evaluate_outputs
 from mmrl.metrics import Logger, SignalWatch, Timer, per_category, perf
 from mmrl.rollout.collect import Collector
-from mmrl.rollout.contrast import contrast_rollout
 from mmrl.train_stats import PassStats
 from mmrl.optim import EMA, lr_scale, soft_update_decay
 from mmrl.preemption import StopRequests, stop_run
+from mmrl.seeds import derive_seed
 from mmrl.report import log_evaluation
-from mmrl.reward import MultiReward, RewardRunner
+from mmrl.reward import RewardRunner
 
 log = logging.getLogger(__name__)
 MAX_NONFINITE_STEPS = 3  # optimizer steps in a row with a non-finite gradient before the run stops
@@ -154,43 +154,32 @@ class Trainer:
 
     def step(self, it: int) -> dict:
         cfg, t, a = self.cfg, self.cfg.train, self.cfg.algo
-        seed = t.seed * 1_000_003 + it  # per-iteration seeds: resuming needs no RNG state
+        seed = derive_seed(t.seed, "iteration", it)  # per-iteration seeds: resuming needs no RNG state
         torch.manual_seed(seed)
         self.policy.iteration = it  # schedules that move with training (sampler.window_schedule=sliding)
-        weights = None
-        if isinstance(self.reward_fn, MultiReward):  # several rewards: their (scheduled) weights at this iteration
-            self.reward_fn.set_iteration(it)
-            weights = self.reward_fn.weights
+        weights = self.reward.at_iteration(it)  # several rewards: their (scheduled) weights at this iteration
         with self.sampling_weights(it):
             rollout, rewards, valid, metrics = self.collect(random.Random(seed), torch.Generator().manual_seed(seed))
         metrics.update({f"reward/{k}_weight": w for k, w in (weights or {}).items()})
-        shaping, extra = REWARD_SHAPINGS[a.reward_shaping], ()
-        if getattr(shaping, "needs_contrast", False):  # e.g. T-GRPO: the same prompts with shuffled frames
-            def sample(examples, group_size):  # this rank's share of every rank's prompts, padded to equal forwards
-                with self.timer("rollout"), self.dist.autocast(t.mixed_precision, self.policy):
-                    return self.dist.sample(self.policy, examples, group_size, torch.Generator().manual_seed(seed + 1))
-
-            (c_reward, c_gid), stats = contrast_rollout(sample, self.reward, rollout, t.group_size, seed,
-                                                        self.dist.gather_list)
-            extra = (self.dist.gather(c_reward), self.dist.gather(c_gid))
-            metrics.update(self.dist.mean_stats(stats))
+        shaping = REWARD_SHAPINGS[a.reward_shaping]
+        extra, stats = self.collect.contrast(rollout, seed) if getattr(shaping, "needs_contrast", False) else ((), {})
+        metrics.update(stats)  # e.g. T-GRPO: the same prompts with shuffled frames, scored, never trained
         local = rollout
         if self.dist.world > 1:  # advantages need whole groups: every rank sees every row's reward, in order
             rollout, rewards, valid, rows = self.dist.gather_rows(
                 rollout, rewards, valid, getattr(self.credit, "reads_extras", ()))
-        if extra:
-            extra = ((rollout.group_id, *extra),)
+        extra = ((rollout.group_id, *extra),) if extra else ()
         metrics["rollout/actions_mean"] = rollout.action_mask.sum(-1).float().mean().item()  # tokens: completion length
         shaped = shaping(rewards["overall"], a, *extra)
         adv, adv_stats = self.credit({**rewards, "overall": shaped}, weights, rollout,
                                      valid, cfg, it)  # [N] or [N, A] (tree rollouts: per transition)
-        adv_fn = lambda r, g, v: ADVANTAGES[a.advantage](r, g, v, a)[0]  # noqa: E731
         self.watch(valid, adv, self.reward.last_error)
         rollout.action_mask &= valid.unsqueeze(-1)
         metrics.update({f"reward/{k}_mean": v[valid].mean().item() if valid.any() else 0.0 for k, v in rewards.items()})
         metrics["reward/overall_std"] = rewards["overall"][valid].std().item() if valid.sum() > 1 else 0.0
         metrics.update(adv_stats)
-        metrics.update(injection_diagnostics(shaped, rollout.group_id, valid, rollout.is_offpolicy, adv_fn))
+        metrics.update(injection_diagnostics(shaped, rollout.group_id, valid, rollout.is_offpolicy,
+                                             lambda r, g, v: ADVANTAGES[a.advantage](r, g, v, a)[0]))
         metrics.update(per_category(rollout.examples, rewards["overall"], valid))
         overall, row_actions, groups = rewards["overall"], rollout.action_mask.sum(-1), rollout.group_id  # [N]
         if self.dist.world > 1:  # back to this rank's rows (a padding row, group id -1, has none: zero advantage)
@@ -210,43 +199,28 @@ class Trainer:
         of every row (all ranks); groups [N]: every row's group id; one process: the rollout's rows, their action
         counts and group ids. Minibatches are stratified by group (`stratified_minibatches`: every minibatch takes
         G / minibatches rows of each group, so a rank holds the same share of every minibatch); each rank trains its
-        rows of them, normalized by the whole step's counts (x world, as DDP / FSDP average the gradients over
-        ranks). Every rank runs as many forward / backward passes as the rank that needs the most (zero-weight
-        padding passes of one micro-batch), and gradients are synchronized only by the last backward of a step."""
-        cfg, t, w = self.cfg, self.cfg.train, self.dist.world
+        rows of them (`train_minibatch`). Returns the passes' statistics."""
+        t = self.cfg.train
         if rows is None:
             rows, row_actions, groups = torch.arange(len(rollout)), rollout.action_mask.sum(-1), rollout.group_id
-        n_total = len(row_actions)
-        local = torch.full((n_total,), -1, dtype=torch.long)
+        local = torch.full((len(row_actions),), -1, dtype=torch.long)
         local[rows] = torch.arange(len(rows))                    # single-process position -> this rank's row
         stats, steps = PassStats(), 0
-        pad = next(micro_batches(rollout.action_mask, torch.tensor([0]), t.micro_batch, self.policy.scores_actions))
         for epoch in range(t.inner_epochs):
-            gen = torch.Generator().manual_seed(t.seed + 7919 * epoch + self.iteration)
+            gen = torch.Generator().manual_seed(derive_seed(t.seed, "minibatches", epoch, self.iteration))
             chunks = stratified_minibatches(groups, t.minibatches, gen)  # [n_m] rows of each minibatch
             for m in tqdm(range(t.minibatches), desc=f"train epoch {epoch}", leave=False,
-                          disable=not cfg.log.progress or t.minibatches == 1 or not self.dist.main):
-                mine = local[chunks[m]]
-                mine = mine[mine >= 0]                              # this rank's rows of the minibatch, in its order
+                          disable=not self.cfg.log.progress or t.minibatches == 1 or not self.dist.main):
                 # Normalize by the sizes of the optimizer step's whole batch (grad_accum minibatches): the
                 # gradient of one step is that of its full-batch loss whatever the minibatch split.
                 first = m - m % t.grad_accum
                 step_rows = torch.cat(chunks[first:first + t.grad_accum])
-                n_step, a_step = len(step_rows) / w, max(int(row_actions[step_rows].sum()), 1) / w
-                parts = list(micro_batches(rollout.action_mask, mine, t.micro_batch, self.policy.scores_actions)) \
-                    if len(mine) else []
-                passes = self.dist.max_int(len(parts))             # every rank joins the same collectives
-                syncs = (m + 1) % t.grad_accum == 0
-                loss = 0.0
-                for j in range(passes):
-                    # a rank with fewer passes runs zero-weighted ones: one micro-batch of its first row (its first
-                    # micro_batch trained actions, not all of them: a padding pass costs what a real one does)
-                    part, actions, weight = (*parts[j], 1.0) if j < len(parts) else (*pad, 0.0)
-                    with self.dist.no_sync(not (syncs and j == passes - 1)):
-                        loss += self._accumulate(rollout, part, actions, adv, n_step, a_step, weight, steps, stats)
-                # the minibatch's loss: the ranks' parts add up to it (each is normalized by the global counts / w)
-                stats.put("loss", loss / w, int(self.dist.main))
-                if syncs:
+                sizes = (len(step_rows) / self.dist.world, max(int(row_actions[step_rows].sum()), 1) / self.dist.world)
+                mine = local[chunks[m]]
+                loss = self.train_minibatch(rollout, adv, mine[mine >= 0], sizes, (m + 1) % t.grad_accum == 0,
+                                            steps, stats)
+                stats.put("loss", loss, int(self.dist.main))
+                if (m + 1) % t.grad_accum == 0:
                     steps += self.step_optimizer(stats)
         out = stats.summary(self.dist, rollout.extras.get("step_index"))  # every rank's passes
         out["train/optimizer_steps"] = steps
@@ -275,10 +249,33 @@ class Trainer:
                                f"or check the reward for inf values")
         return int(math.isfinite(norm))
 
-    def _accumulate(self, rollout, idx, actions, adv, n_step, a_step, weight, steps, stats: PassStats) -> float:
+    def train_minibatch(self, rollout, adv, mine, sizes, syncs: bool, steps: int, stats: PassStats) -> float:
+        """Forward / backward of this rank's rows `mine` of a minibatch in micro-batches, normalized by the optimizer
+        step's sizes (rows, actions) / world (DDP / FSDP average the gradients over ranks). Every rank runs as many
+        passes as the rank that needs the most (zero-weight padding passes of one micro-batch: a padding pass costs
+        what a real one does), and gradients synchronize only in the step's last backward. Returns the minibatch's
+        loss (the ranks' parts add up to it)."""
+        t = self.cfg.train
+        parts = list(micro_batches(rollout.action_mask, mine, t.micro_batch, self.policy.scores_actions)) \
+            if len(mine) else []
+        pad = next(micro_batches(rollout.action_mask, torch.tensor([0]), t.micro_batch, self.policy.scores_actions))
+        loss, passes = 0.0, self.dist.max_int(len(parts))  # every rank joins the same collectives
+        for j in range(passes):
+            real = j < len(parts)
+            idx, actions = parts[j] if real else pad
+            with self.dist.no_sync(not (syncs and j == passes - 1)):
+                part_loss, part_stats = self.accumulate(rollout, idx, actions, adv, sizes, 1.0 if real else 0.0,
+                                                        first=not steps)
+            if real:  # a padding pass has no statistics
+                loss += part_loss
+                stats.add_pass(*part_stats)
+        return loss / self.dist.world
+
+    def accumulate(self, rollout, idx, actions, adv, sizes, weight: float, first: bool) -> tuple[float, tuple]:
         """Forward and backward of rows `idx` (only `actions` [n, A] when given) with the loss normalized by the
-        optimizer step's sizes: the gradients of the parts add up to the gradient of the whole minibatch. Returns the
-        part's loss; its statistics go to `stats`."""
+        optimizer step's `sizes` (rows, actions) and times `weight` (0: a padding pass): the gradients of the parts
+        add up to the gradient of the whole minibatch. `first`: no optimizer step yet this iteration. Returns (the
+        part's loss, its statistics as PassStats.add_pass's arguments)."""
         kw, obj = ({} if actions is None else {"actions": actions}), self.objective
         ref = None
         if obj.needs_reference:  # before the forward with gradients (EMA: swapped in place; the policy's precision)
@@ -289,7 +286,7 @@ class Trainer:
             out = self.policy.log_prob(rollout, idx, **kw)
         deferred = torch.isnan(rollout.old_log_prob[idx])
         if deferred.any():  # fill deferred old log-probs from this first forward (weights unchanged)
-            if steps:
+            if not first:
                 raise RuntimeError("the rollout's old log-probs are NaN after an optimizer step: the sampling forward "
                                    "was not finite (deferred old log-probs are only filled before the first step)")
             old = rollout.old_log_prob[idx]
@@ -299,11 +296,9 @@ class Trainer:
         mask = mb.action_mask  # the whole rows' actions normalize the loss; this part's actions carry it
         part = mask if actions is None else mask & actions.to(dev)
         loss_a, s = obj.per_action(Batch(None, mb.old_log_prob, adv[idx].to(dev), mb.group_id, part, mb, out, ref))
-        loss = obj.aggregate(loss_a * part, mask, n_step, a_step) * weight
+        loss = obj.aggregate(loss_a * part, mask, *sizes) * weight
         loss.backward()
-        if weight:  # a padding pass has no statistics
-            stats.add_pass(out, mb, s, part, first=not steps)
-        return loss.item() if weight else 0.0
+        return loss.item(), (out, mb, s, part, first)
 
     # -------------------------------------------------------------------------------------------- helpers
     def ema_weights(self):  # the EMA weights in the policy while the context runs (evaluation, saving), if any
@@ -320,8 +315,7 @@ class Trainer:
         # a sample whose reward fails scores 0 (logged); at the start a failing reward stops at its first failure
         on_error = self.eval_reward.on_error
         self.eval_reward.on_error = "raise" if step == 0 else on_error
-        if isinstance(self.eval_reward.fn, MultiReward):  # scheduled weights as at this step (also after a resume)
-            self.eval_reward.fn.set_iteration(step)
+        self.eval_reward.at_iteration(step)  # scheduled weights as at this step (also after a resume)
         try:
             with self.ema_weights():
                 res = evaluate_outputs(self.policy.evaluate, self.task.eval_examples(),

@@ -13,6 +13,8 @@ import torch
 from mmrl.algorithms import OFFPOLICY
 from mmrl.algorithms.advantages import group_stats
 from mmrl.data import Rollout
+from mmrl.rollout.contrast import contrast_rollout
+from mmrl.seeds import derive_seed
 
 
 class Collector:
@@ -68,6 +70,21 @@ class Collector:
         valid = torch.cat([p[2] for _, p in chosen])
         return rollout, rewards, valid, {"reward/failed_samples": self.total(failures), "dynamic/rounds": r + 1,
                                          "dynamic/informative_groups": min(n_good, t.prompts_per_iter)}
+
+    def contrast(self, rollout: Rollout, seed: int) -> tuple[tuple, dict]:
+        """A contrast rollout of this iteration's prompts, for a reward shaping that compares against one
+        (`needs_contrast`, e.g. T-GRPO: the same prompts with shuffled frames; mmrl/rollout/contrast.py): sampled
+        like a rollout (every rank its share, padded to equal forwards), scored, never trained. Returns ((every
+        rank's contrast rewards [M], their group ids [M]), mean statistics)."""
+        t = self.cfg.train
+
+        def sample(examples, group_size):
+            with self.timer("rollout"), self.dist.autocast(t.mixed_precision, self.policy):
+                return self.dist.sample(self.policy, examples, group_size,
+                                        torch.Generator().manual_seed(derive_seed(t.seed, "contrast", seed)))
+
+        (reward, gid), stats = contrast_rollout(sample, self.reward, rollout, t.group_size, seed, self.dist.gather_list)
+        return (self.dist.gather(reward), self.dist.gather(gid)), self.dist.mean_stats(stats)
 
     def total(self, n: int) -> int:
         """The sum of every rank's n."""
