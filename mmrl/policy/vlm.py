@@ -27,7 +27,7 @@ from mmrl.data import PolicyOutput, Rollout
 from mmrl.errors import ConfigError, MissingFile
 from mmrl.policy.base import (PolicyDefaults, base_model_path, load_lora_adapter, reference_kind, resolve_model_path,
                               save_lora_adapter, upcast_trainable, write_policy_meta)
-from mmrl.rollout.engine import HFEngine, PrefixCacheEngine, SamplingParams, completion_mask
+from mmrl.rollout.engine import ENGINES, PrefixCacheEngine, SamplingParams, completion_mask
 from mmrl.cache import BoundedCache
 from mmrl.config import sample_chunk
 from mmrl.video import VideoCache, VideoError, VideoOptions
@@ -99,20 +99,7 @@ class TokenPolicy(PolicyDefaults):
         specials = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
         vocab = self.tokenizer.get_vocab()
         self.suppress_ids = sorted({vocab[t] for t in specials if t in vocab} | ({self.pad_id} - {self.eos_id}))
-        engine = sampler_cfg.engine
-        if engine == "prefix_cache":
-            self.engine = PrefixCacheEngine(self.model, self.prefill, self.eos_id, self.pad_id, self.suppress_ids)
-        elif engine == "hf":
-            self.engine = HFEngine(self.model, self.eos_id, self.pad_id, self.suppress_ids)
-        elif engine == "vllm":
-            from mmrl.rollout.vllm_engine import VLLMEngine
-
-            if self.is_vlm:
-                raise ConfigError("sampler.engine=vllm serves text-only policies here; use prefix_cache for a VLM")
-            self.engine = VLLMEngine(self.model, model_path, self.eos_id, self.pad_id, self.suppress_ids,
-                                     **sampler_cfg.vllm)
-        else:
-            raise ConfigError(f"sampler.engine={engine!r}; valid: prefix_cache, hf, vllm")
+        self.engine = ENGINES[sampler_cfg.engine](self, sampler_cfg.vllm)  # who generates (mmrl/rollout/engine.py)
 
     # ------------------------------------------------------------------------------------------ prompts
     def _messages(self, ex: dict) -> list[dict]:
@@ -458,8 +445,9 @@ def load_token_model(path: str, dtype: torch.dtype = torch.float32, device: str 
 
 
 def build_token_policy(cfg) -> TokenPolicy:
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
-    device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    from mmrl.devices import resolve_device, torch_dtype
+
+    dtype, device = torch_dtype(cfg.model.dtype), resolve_device(cfg.model.device)
     path = resolve_model_path(cfg.model.path)
     if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
         meta = json.load(open(os.path.join(path, "mmrl_policy.json")))

@@ -16,8 +16,8 @@ from typing import Protocol
 
 import torch
 
+from mmrl.registry import Registry
 
-ENGINES = ("prefix_cache", "hf", "vllm")  # sampler.engine of token policies
 
 
 @dataclass(frozen=True)
@@ -156,3 +156,17 @@ def completion_mask(ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     is_eos = ids == eos_id
     after = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
     return ~after
+
+
+def _prefix_cache(policy, options: dict) -> PrefixCacheEngine:
+    return PrefixCacheEngine(policy.model, policy.prefill, policy.eos_id, policy.pad_id, policy.suppress_ids)
+
+
+def _hf(policy, options: dict) -> HFEngine:
+    return HFEngine(policy.model, policy.eos_id, policy.pad_id, policy.suppress_ids)
+
+
+# sampler.engine of token policies: name -> build(policy, sampler.vllm options) -> RolloutEngine. An engine reads the
+# policy's model, prefill, eos / pad ids and suppressed ids; a user's own engine loads by import path (package.module:fn)
+ENGINES = Registry("rollout engine (sampler.engine)", {
+    "prefix_cache": _prefix_cache, "hf": _hf, "vllm": "mmrl.rollout.vllm_engine:build"})

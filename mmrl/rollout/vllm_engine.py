@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from mmrl.errors import MissingDependency
+from mmrl.errors import ConfigError, MissingDependency
 from mmrl.rollout.engine import pad_after_eos
 
 
@@ -133,3 +133,10 @@ class VLLMEngine:
             if self.sleep:
                 self.llm.sleep(level=1)
         self.syncs += 1
+
+
+def build(policy, options: dict) -> VLLMEngine:
+    """sampler.engine=vllm (mmrl.rollout.engine.ENGINES): text-only token policies; options = sampler.vllm."""
+    if policy.is_vlm:
+        raise ConfigError("sampler.engine=vllm serves text-only policies here; use prefix_cache for a VLM")
+    return VLLMEngine(policy.model, policy.model_path, policy.eos_id, policy.pad_id, policy.suppress_ids, **options)
