@@ -6,6 +6,15 @@ time budget and a held-out evaluation halfway and at the end (`log.eval_every_mi
     python scripts/compare_flow_rl.py --methods grpo flash_random awm_ema_kl  # random window; AWM + KL to its EMA
     python scripts/compare_flow_rl.py --quick              # 1 minute, 1 seed, grpo, nft and control, 24 prompts
 
+Matched on iterations instead (`--iterations N`, independent of how loaded the machine is): every method runs N RL
+iterations (no time budget) and is evaluated every `--eval-every-it` iterations, a fixed grid; the control runs
+`--minutes` of pretraining (set it to the methods' expected wall time: the report prints every arm's measured wall
+minutes beside it) and is evaluated at its `--eval-every-min` saves. The machine's load (1-minute load average,
+sampled every 30 s while the runs go) and each arm's iterations and wall minutes are recorded with the results.
+
+    python scripts/compare_flow_rl.py --iterations 200 --eval-every-it 20 --methods nft grpo control --seeds 0 1 2 \
+        --minutes 40 --eval-every-min 8
+
 The `control` arm is continued pretraining of the same base for the same minutes, launched with the seed's methods
 (`scripts/pretrain_world.py --world shapes --init tasks/assets/shapes-base --threads 1`, the recipe that made the
 base: lr 1e-3, batch 64, EMA 0.999, 500 warm-up steps, the lr cooled down linearly to 0 over the last 20 % of the
@@ -72,10 +81,14 @@ CONTROL = "control"  # continued pretraining of the base (not a method: reported
 
 
 def launch(world: World, method: str, seed: int, minutes: float, out: str, extra: list[str],
-           eval_every: float) -> subprocess.Popen:
-    items = [f"train.seed={seed}", f"train.time_budget_min={minutes}", f"log.eval_every_min={eval_every}",
-             "train.iterations=100000", "train.threads=1", "log.eval_at_start=false", "log.progress=false",
-             "log.eval_every=0",  # only the timed evaluations, as the control's: every arm pays the same
+           eval_every: float, iterations: int = 0, eval_every_it: int = 0) -> subprocess.Popen:
+    if iterations:  # matched on iterations: a fixed evaluation grid, no clock
+        budget = ["train.time_budget_min=0", f"train.iterations={iterations}", "log.eval_every_min=0",
+                  f"log.eval_every={eval_every_it}"]
+    else:  # matched on wall time: only the timed evaluations, as the control's (every arm pays the same)
+        budget = [f"train.time_budget_min={minutes}", f"log.eval_every_min={eval_every}", "train.iterations=100000",
+                  "log.eval_every=0"]
+    items = [f"train.seed={seed}", *budget, "train.threads=1", "log.eval_at_start=false", "log.progress=false",
              f"log.out_dir={out}", "log.image_every=0", *extra]
     log = open(os.path.join(out + ".log"), "w")
     config, overrides = world.methods[method]
@@ -115,12 +128,45 @@ def held_out_accuracy(world: World, eval_prompts: int, model_path: str) -> float
     return res[world.metric]
 
 
-def method_run(world: World, out: str, minutes: float) -> dict:
-    """A trainer run's figures: the timed evaluations and the end (at the budget's minutes)."""
+def method_run(world: World, out: str, minutes: float, iterations: int = 0) -> dict:
+    """A trainer run's figures: the timed evaluations and the end (at the budget's minutes); matched on iterations,
+    the evaluations of the grid (metrics.jsonl's eval/* lines) at their iterations, and the run's wall minutes."""
     res = json.load(open(os.path.join(out, "results.json")))
+    if iterations:
+        evals, first, last = {}, None, None
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            for line in f:
+                rec = json.loads(line)
+                first = rec["time"] if first is None else first
+                last = rec["time"]
+                if f"eval/{world.metric}" in rec:
+                    evals[rec["step"]] = rec[f"eval/{world.metric}"]
+        evals[res["iterations"]] = res["eval_end"][world.metric]
+        return {"curve": sorted(evals.items()), "iterations": res["iterations"],
+                "wall_min": round((last - first) / 60, 2)}
     curve = ([(e["minutes"], e[world.metric]) for e in res["eval_timed"]]
              + [(minutes, res["eval_end"][world.metric])])
     return {"curve": curve, "iterations": res["iterations"]}
+
+
+class LoadMonitor:
+    """The machine's 1-minute load average, sampled every `every` seconds in a thread while runs go."""
+
+    def __init__(self, every: float = 30.0):
+        import threading
+
+        self.samples, self.stop = [], threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self.thread.start()
+
+    def _run(self, every: float) -> None:
+        while not self.stop.wait(every if self.samples else 0):
+            self.samples.append(os.getloadavg()[0])
+
+    def summary(self) -> dict:
+        self.stop.set()
+        xs = sorted(self.samples) or [float("nan")]
+        return {"load_min": xs[0], "load_median": xs[len(xs) // 2], "load_max": xs[-1], "load_samples": len(self.samples)}
 
 
 def control_run(world: World, out: str, eval_prompts: int, rescore: str = "all") -> dict:
@@ -157,12 +203,15 @@ def control_run(world: World, out: str, eval_prompts: int, rescore: str = "all")
 
 
 def summarize(run: dict, minutes: float) -> dict:
-    """half: the first evaluation at or after half the budget (the trainer's timed one), full: the last."""
-    curve = run["curve"]
-    half = next(((m, a) for m, a in curve[:-1] if m >= minutes / 2 * 0.999), None)
-    return {"half": half[1] if half else None, "half_minutes": half[0] if half else None, "full": curve[-1][1],
-            "iterations": run["iterations"], "curve": [[round(m, 2), a] for m, a in curve],
-            **({"rescore_minus_own": run["rescore_minus_own"]} if "rescore_minus_own" in run else {})}
+    """half: the first evaluation at or after half the budget (the trainer's timed one; matched on iterations: half
+    the iterations), full: the last; peak: the best evaluation and where it was (minutes, or iteration)."""
+    curve, span = run["curve"], (run["iterations"] if "wall_min" in run else minutes)
+    half = next(((m, a) for m, a in curve[:-1] if m >= span / 2 * 0.999), None)
+    peak = max(curve, key=lambda ma: ma[1])
+    return {"half": half[1] if half else None, "half_at": half[0] if half else None, "full": curve[-1][1],
+            "peak": peak[1], "peak_at": peak[0], "iterations": run["iterations"],
+            "curve": [[round(m, 2), a] for m, a in curve],
+            **{k: run[k] for k in ("rescore_minus_own", "wall_min") if k in run}}
 
 
 def mean_se(xs: list[float]) -> tuple[float, float | None]:
@@ -176,7 +225,11 @@ def main():
                     choices=sorted({m for w in WORLDS.values() for m in w.methods} | {CONTROL}),
                     help=f"'{CONTROL}': continued pretraining of the base, the baseline every method is compared to")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--minutes", type=float, default=16.0, help="wall-time budget of every run")
+    ap.add_argument("--minutes", type=float, default=16.0, help="wall-time budget of every run (with --iterations: "
+                    "of the control only)")
+    ap.add_argument("--iterations", type=int, default=0,
+                    help="match the methods on iterations: each runs this many, evaluated every --eval-every-it")
+    ap.add_argument("--eval-every-it", type=int, default=20, help="with --iterations: the evaluation grid's step")
     ap.add_argument("--eval-every-min", type=float, default=None,
                     help="evaluate every run this often (default: half of --minutes, i.e. at half time and the end)")
     ap.add_argument("--eval-prompts", type=int, default=None, help="default: shapes 504, motion 256")
@@ -193,8 +246,9 @@ def main():
     world = WORLDS[args.world]
     args.methods = args.methods or [m for m in ("grpo", "nft", "awm", "flash") if m in world.methods]
     args.eval_prompts = args.eval_prompts or world.eval_prompts
-    if args.quick:
-        args.minutes, args.seeds, args.methods, args.eval_prompts = 1.0, [0], ["grpo", "nft", CONTROL], 24
+    if args.quick:  # --methods given with --quick are kept
+        args.minutes, args.seeds, args.eval_prompts = 1.0, [0], 24
+        args.methods = args.methods if "--methods" in sys.argv else ["grpo", "nft", CONTROL]
         args.eval_every_min = None
     unknown = [m for m in args.methods if m != CONTROL and m not in world.methods]
     if unknown:
@@ -216,19 +270,24 @@ def main():
         procs = {(m, seed): (launch_control(world, args.world, seed, args.minutes, os.path.join(args.out, f"{m}_s{seed}"),
                                             eval_every, args.eval_prompts, args.quick) if m == CONTROL else
                              launch(world, m, seed, args.minutes, os.path.join(args.out, f"{m}_s{seed}"), extra,
-                                    eval_every))
+                                    eval_every, args.iterations, args.eval_every_it))
                  for seed in seeds for m in args.methods}
+        monitor = LoadMonitor()
         for (m, seed), p in procs.items():
             if p.wait() != 0:  # reported as failed; the other runs go on
                 print(f"{m} seed {seed} failed; see {os.path.join(args.out, f'{m}_s{seed}.log')}", file=sys.stderr)
-        print(f"seeds {seeds} done", file=sys.stderr, flush=True)
+        load = monitor.summary()
+        for seed in seeds:  # kept beside the runs, for the report
+            with open(os.path.join(args.out, f"load_s{seed}.json"), "w") as f:
+                json.dump(load, f)
+        print(f"seeds {seeds} done; load {load}", file=sys.stderr, flush=True)
     runs = {}  # the control's saves are scored once every seed's runs are over: nothing else loads the machine then
     for seed in args.seeds:
         for m in args.methods:
             out = os.path.join(args.out, f"{m}_s{seed}")
             try:
                 run = (control_run(world, out, args.eval_prompts) if m == CONTROL
-                       else method_run(world, out, args.minutes))
+                       else method_run(world, out, args.minutes, args.iterations))
             except (OSError, RuntimeError, KeyError, IndexError) as e:  # no results: a failed run
                 print(f"{m} seed {seed}: no results ({e}); reported as failed", file=sys.stderr)
                 runs[(m, seed)] = None
@@ -245,7 +304,9 @@ def report(world: World, runs: dict, args, eval_every: float) -> None:
     fmt = lambda v: f"{100 * v:8.2f}" if v is not None else f"{'-':>8s}"  # noqa: E731
     print(f"{args.world}: base {100 * base:.2f}% {world.metric} on {args.eval_prompts} held-out prompts; "
           f"{args.minutes} min per run")
-    print(f"{'method':12s} {'half':>8s} {'full':>8s} {'gain half':>10s} {'gain full':>10s}  per seed (half / full, iterations)")
+    unit = "iterations" if args.iterations else "min"
+    print(f"{'method':12s} {'half':>8s} {'full':>8s} {'gain half':>10s} {'gain full':>10s}  per seed (half / full, iterations)"
+          f"  [half / full in {unit}]")
     for m in args.methods:
         rs = [runs[(m, s)] for s in args.seeds if runs[(m, s)] is not None]
         if not rs:
@@ -262,15 +323,33 @@ def report(world: World, runs: dict, args, eval_every: float) -> None:
         print(f"{m:12s} {fmt(row['half'])} {fmt(row['full'])} {fmt(row['gain_half']):>10s} {fmt(row['gain_full']):>10s}  "
               f"{seeds}" + ("  <- pretraining steps" if m == CONTROL else ""))
     if any(r is not None and len(r["curve"]) > 2 for r in runs.values()):
-        print(f"curves, {world.metric} % at minutes (mean over seeds at each evaluation; per seed):")
+        print(f"curves, {world.metric} % at {unit} (mean over seeds at each evaluation; per seed):")
         for m in table:
             rs = [runs[(m, s)] for s in args.seeds if runs[(m, s)] is not None]
             n = min(len(r["curve"]) for r in rs)
             at = [(statistics.mean(r["curve"][i][0] for r in rs), statistics.mean(r["curve"][i][1] for r in rs))
                   for i in range(n)]
-            mean = "  ".join(f"{minutes:.1f}m {100 * acc:.2f}" for minutes, acc in at)
+            mean = "  ".join(f"{minutes:.1f}{unit[0]} {100 * acc:.2f}" for minutes, acc in at)
             print(f"  {m:12s} {mean}   | " + " | ".join(" ".join(f"{100 * a:.2f}" for _, a in r["curve"]) for r in rs))
-    out = {"world": args.world, "metric": world.metric, "base": base, "minutes": args.minutes, "eval_every_min": eval_every, "seeds": args.seeds,
+    loads = {s: json.load(open(p)) for s in args.seeds
+             if os.path.exists(p := os.path.join(args.out, f"load_s{s}.json"))}
+    if loads:
+        print("machine load (1-min average) per seed: " + "; ".join(
+            f"seed {s} median {v['load_median']:.1f} (min {v['load_min']:.1f}, max {v['load_max']:.1f})"
+            for s, v in loads.items()))
+    if args.iterations:
+        print(f"peaks (mean over seeds of each run's best, and where; value at {args.iterations}; wall minutes):")
+        for m, row in table.items():
+            rs = [r for r in row["per_seed"] if r is not None]
+            peak, peak_se = mean_se([r["peak"] for r in rs])
+            print(f"  {m:12s} peak {100 * peak:.2f}" + (f" (s.e. {100 * peak_se:.2f})" if peak_se else "")
+                  + f" at {[r['peak_at'] for r in rs]}, at the end {100 * row['full']:.2f}"
+                  + (f" (s.e. {100 * row['full_se']:.2f})" if row["full_se"] else "")
+                  + f", wall min {[r.get('wall_min') for r in rs]}")
+            row["peak"], row["peak_se"] = peak, peak_se
+    out = {"world": args.world, "metric": world.metric, "base": base, "minutes": args.minutes,
+           "iterations": args.iterations, "eval_every": args.eval_every_it if args.iterations else eval_every,
+           "seeds": args.seeds, "load": loads,
            "eval_prompts": args.eval_prompts, "methods": {m: r for m, r in table.items() if m != CONTROL},
            "failed": [f"{m}_s{s}" for (m, s), r in runs.items() if r is None]}
     if CONTROL in table:

@@ -179,8 +179,22 @@ def test_compare_flow_rl_quick(tmp_path, world):
     assert res["control"]["per_seed"][0]["iterations"] > 0 and 0 <= res["control"]["full"] <= 1
     for m in res["methods"].values():
         run_ = m["per_seed"][0]
-        assert run_["iterations"] > 0 and run_["half"] is not None and 0.4 < run_["half_minutes"] / 0.5 < 2
+        assert run_["iterations"] > 0 and run_["half"] is not None and 0.4 < run_["half_at"] / 0.5 < 2
         assert m["gain_full"] == pytest.approx(m["full"] - res["base"])
+
+
+def test_compare_flow_rl_matched_on_iterations(tmp_path):
+    """--iterations: each method runs exactly that many iterations, evaluated on the fixed grid; the machine's load
+    and each run's wall minutes are recorded (about a minute)."""
+    r = run("scripts/compare_flow_rl.py", "--quick", "--methods", "nft", "--iterations", "2", "--eval-every-it", "1",
+            "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    nft = res["methods"]["nft"]["per_seed"][0]
+    assert res["iterations"] == 2 and nft["iterations"] == 2
+    assert [it for it, _ in nft["curve"]] == [1, 2] and nft["full"] == nft["curve"][-1][1]
+    assert nft["peak"] == max(a for _, a in nft["curve"]) and nft["wall_min"] > 0
+    assert res["load"]["0"]["load_samples"] >= 1
 
 
 def test_bench_text_length_quick():
