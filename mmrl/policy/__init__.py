@@ -7,4 +7,5 @@ POLICIES = Registry("policy", {
     "flow": "mmrl.policy.flow_build:build_flow_policy",
     "token": "mmrl.policy.vlm:build_token_policy",
     "vlm": "mmrl.policy.vlm:build_token_policy",  # the former name of `token`, kept as an alias
+    "janus": "mmrl.policy.janus:build_janus_policy",  # Janus-Pro: image tokens as actions (docs/token-policies.md)
 })

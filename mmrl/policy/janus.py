@@ -1,0 +1,379 @@
+"""Janus-Pro as a token policy whose actions are image tokens (transformers `JanusForConditionalGeneration`,
+arXiv 2501.17811). `model.policy: janus`.
+
+An action is one of the A image tokens (codebook indices; A = 576 for Janus-Pro's 384 px images) that Janus
+generates after its prompt `<|User|>: {prompt}\\n\\n<|Assistant|>:<begin_of_image>` (the processor's chat template and
+`generation_mode="image"`, as transformers documents it). The outputs are the VQ model's decoding of the A tokens,
+images [N, 3, H, W] in [-1, 1]: the form FlowPolicy returns, so every image reward scores them unchanged.
+
+Sampling is Janus's classifier-free guidance (transformers' `generate(generation_mode="image")`, T2I-R1's sampler):
+each row runs twice, conditional (the prompt) and unconditional (the prompt with every token but BOS and
+`<begin_of_image>` replaced by the pad token), and token k is drawn from
+    p(. | x<k) = softmax((u + s (c - u)) / T),   c, u: the generation head's logits of the two rows [K],
+with s = sampler.cfg_scale (training rollouts) or sampler.eval_cfg_scale (evaluation) and T = sampler.temperature.
+Row r draws its A tokens from its own generator seeded seed + r (one multinomial per step): a row is the same in any
+batch and on any rank, and it equals transformers' `generate` of its prompt alone after torch.manual_seed(seed + r)
+(tests/test_janus.py: same tokens, same pixels). transformers' batched `generate` instead draws every row of a batch
+from one global stream (and counts positions over left padding), so its rows depend on the batch they sit in;
+positions here are counted over real tokens, as the token policy counts them.
+
+Log-probs (a decision): the log-prob of a sampled token is taken under the distribution the sampler drew it from,
+the CFG-combined logits at the sampling temperature, computed from a teacher-forced forward of the conditional and
+unconditional rows. Then `exp(logp - logp_old)` is the importance ratio of the sampler itself, PPO's clip and the
+KL estimators act on the policy that made the images, and the on-policy ratio is 1 (up to the rounding of a full
+forward against the KV-cached sampling forward; tests: max |ratio - 1| < 1e-4). T2I-R1 (its grpo_trainer.py)
+samples with CFG 5 but scores the conditional logits alone (no CFG, temperature 1), and SimpleAR's GRPO
+(TRL's GRPOTrainer) scores the plain conditional forward too: half the training forward, but the stored "old"
+log-prob is then not the probability of the sampler, so the ratio is not an importance weight of the rollouts (with
+one optimizer step per rollout, as T2I-R1 runs, it is 1 by construction and nothing notices; with several it
+clips the wrong quantity). sampler.cfg_grad picks the gradient (not the value): `full` differentiates both rows,
+the exact gradient of log p above; `cond` (Flow-GRPO's choice for flow CFG) runs the unconditional row without
+gradient, which saves its backward and moves the weights only through the conditional row (closer to T2I-R1).
+
+Reused, not copied: `selective_log_softmax` (the token policy's), the objective, KL estimators (k1 / k2 / k3) and
+micro-batching of the trainer (whole rows per training forward: train.micro_batch; sampling, decoding and old
+log-probs in chunks of train.sample_chunk rows). Shared-prefix scoring does not apply: the prompt (~30 tokens) is
+short beside the 576 image tokens that every row scores anyway. LoRA (peft) targets the language model's
+attention and MLP projections; full fine-tuning trains the language model and the generation embeddings, aligner
+and head. The understanding path (SigLIP encoder, aligner, text head) and the VQ model stay frozen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import torch
+
+from mmrl.cache import BoundedCache
+from mmrl.data import PolicyOutput, Rollout, group_ids
+from mmrl.errors import ConfigError, MissingFile
+from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, resolve_model_path,
+                              save_lora_adapter, upcast_trainable, write_policy_meta)
+from mmrl.policy.vlm import DEFAULT_LORA_TARGETS, selective_log_softmax
+
+SCORE_CHUNK = 8  # rows per old-log-prob forward when train.sample_chunk is 0 (logits [2 x 8, 576, 16384] fp32 = 0.6 GB)
+
+
+class ImageTokenLM(torch.nn.Module):
+    """The trained path of Janus's image generation as one module (what DDP / FSDP wrap, what checkpoints name):
+    prompt tokens through the text embeddings, image tokens through the generation embeddings and aligner, the
+    language model, then the generation head over the codebook. The vision encoder and the VQ model are not in it."""
+
+    def __init__(self, janus: torch.nn.Module):
+        super().__init__()
+        m = janus.model
+        self.language_model = m.language_model
+        self.generation_embeddings, self.generation_aligner = m.generation_embeddings, m.generation_aligner
+        self.generation_head = m.generation_head
+
+    def forward(self, prompt_ids: torch.Tensor | None, image_ids: torch.Tensor | None, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor, cache=None, keep: int = 0):
+        """Logits [b, keep, K] (keep=0: every position) of the next image token after each of the last `keep`
+        positions of [prompt_ids [b, P] | image_ids [b, I]] (either may be None when the cache holds what precedes),
+        and the KV cache (None without `cache`). attention_mask [b, past + P + I]; position_ids [b, P + I]."""
+        parts = []
+        if prompt_ids is not None:
+            parts.append(self.language_model.get_input_embeddings()(prompt_ids))            # [b, P, D]
+        if image_ids is not None:
+            parts.append(self.generation_aligner(self.generation_embeddings(image_ids)))    # [b, I, D]
+        out = self.language_model(inputs_embeds=torch.cat(parts, 1), attention_mask=attention_mask,
+                                  position_ids=position_ids, past_key_values=cache, use_cache=cache is not None)
+        h = out.last_hidden_state
+        return self.generation_head(h[:, -keep:] if keep else h), out.past_key_values
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """[b, L] position ids counted over real tokens (left padding gets 0), as the token policy counts them."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+class JanusPolicy(PolicyDefaults):
+    samples_rows = True  # row r samples from seed + r: any subset of a batch's rows, the same on any rank
+
+    def __init__(self, model, processor, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = "",
+                 micro_batch: int = 0):
+        self.janus, self.processor, self.model_path, self.micro_batch = model, processor, model_path, micro_batch
+        self.temperature, self.cfg_grad = sampler_cfg.temperature, sampler_cfg.cfg_grad
+        self.cfg_scale, self.eval_cfg_scale = sampler_cfg.cfg_scale, sampler_cfg.eval_cfg_scale
+        tok = processor.tokenizer
+        self.bos_id, self.pad_id = tok.bos_token_id, tok.pad_token_id
+        self.boi_id = tok.convert_tokens_to_ids(processor.image_start_token)
+        self.num_tokens = model.config.vision_config.num_image_tokens                  # A
+        self._prompts = BoundedCache(4096, 2**28)
+        model.requires_grad_(False)
+        self.lora = bool(lora_cfg.enabled)
+        if self.lora:
+            from peft import LoraConfig, get_peft_model
+
+            self.lora_config = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=0.0,
+                                          target_modules=list(lora_cfg.target_modules) or DEFAULT_LORA_TARGETS)
+            self.model = get_peft_model(model, self.lora_config)  # adapters injected into `model` in place
+        else:
+            self.model = model
+        self.lm = ImageTokenLM(model)
+        if not self.lora:
+            self.lm.requires_grad_(True)
+        upcast_trainable(self.lm)
+        self.has_reference = reference == "auto"
+        self._ref = None
+        if self.has_reference and not self.lora:
+            import copy
+
+            self._ref = copy.deepcopy(self.lm).requires_grad_(False).eval()
+        self.device = next(self.lm.parameters()).device
+        self.model.train()
+        model.model.vqmodel.eval()
+
+    # ------------------------------------------------------------------------------------------ prompts
+    def encode_prompt(self, ex: dict) -> torch.Tensor:
+        """input_ids [1, P] of an example's prompt in Janus's image-generation form (ends in <begin_of_image>)."""
+        return self._prompts.get(ex["prompt"], lambda: self._encode(ex["prompt"]))
+
+    def _encode(self, text: str) -> torch.Tensor:
+        if not self.processor.chat_template:
+            raise ConfigError(f"{self.model_path}: the Janus processor has no chat template; use a transformers "
+                              f"Janus folder (e.g. deepseek-community/Janus-Pro-1B), whose processor has one")
+        chat = self.processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": text}]}],
+                                                  add_generation_prompt=True)
+        return self.processor(text=chat, generation_mode="image", return_tensors="pt")["input_ids"]
+
+    def _collate(self, prompts: list[torch.Tensor], guided: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded prompt ids and mask [n, P]; guided: the n unconditional rows follow (ids [2n, P], mask
+        [2n, P]): every token but BOS and <begin_of_image> replaced by the pad token, as Janus's generate does."""
+        width = max(p.shape[1] for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - p.shape[1]:], mask[i, width - p.shape[1]:] = p[0], 1
+        if guided:
+            uncond = ids.masked_fill((ids != self.bos_id) & (ids != self.boi_id), self.pad_id)
+            ids, mask = torch.cat([ids, uncond]), torch.cat([mask, mask])
+        return ids.to(self.device), mask.to(self.device)
+
+    def _guide(self, logits: torch.Tensor, scale: float) -> torch.Tensor:
+        """Sampling logits [n, ..., K] (fp32) from the model's [2n, ..., K] (cond rows, then uncond) or [n, ..., K]
+        (scale 1): (u + s (c - u)) / T, in the order transformers' CFG and temperature processors compute it."""
+        logits = logits.float()
+        if scale != 1:
+            c, u = logits.chunk(2)
+            logits = u + (c - u) * scale
+        return logits / self.temperature
+
+    # ----------------------------------------------------------------------------------------- sampling
+    @torch.no_grad()
+    def sample(self, examples: list[dict], group_size: int, generator: torch.Generator,
+               rows: torch.Tensor | None = None) -> Rollout:
+        """G images per example; rows [n]: only these of the B * G rows (several processes). Row r samples from
+        seed + r, seed drawn from `generator`."""
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+        rows = torch.arange(len(examples) * group_size) if rows is None else rows
+        row_examples = [examples[r // group_size] for r in rows.tolist()]
+        ids, lps = self._sample_rows(row_examples, [seed + r for r in rows.tolist()], self.cfg_scale)   # [n, A]
+        ro = Rollout(group_id=group_ids(len(examples), group_size)[rows],
+                     old_log_prob=torch.full(ids.shape, float("nan")), action_mask=torch.ones(ids.shape, dtype=torch.bool),
+                     examples=row_examples, outputs=self.decode(ids),
+                     extras={"image_ids": ids, "rollout_log_prob": lps})
+        if not self.defer_old_log_prob:  # deferred: the trainer's first forward, under these weights, fills them
+            ro.old_log_prob = self.old_log_prob(ro, torch.arange(len(ro)))
+        return ro
+
+    def _sample_rows(self, examples: list[dict], seeds: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Image tokens [n, A] (CPU) of one row per example, row i from seeds[i], and the sampler's log-prob of each
+        [n, A]; micro_batch rows (2x with CFG) per forward."""
+        chunk = self.micro_batch or len(examples)
+        parts = [self._generate([self.encode_prompt(ex) for ex in examples[i:i + chunk]], seeds[i:i + chunk], scale)
+                 for i in range(0, len(examples), chunk)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[torch.Tensor], seeds: list[int], scale: float):
+        """A tokens for each prompt: prefill, then one token per step against the KV cache (conditional and
+        unconditional rows together), each row drawn by its own generator."""
+        from transformers import DynamicCache
+
+        guided = scale != 1
+        ids, mask = self._collate(prompts, guided)                                         # [r, P], r = n or 2n
+        gens = [torch.Generator(self.device).manual_seed(s) for s in seeds]
+        was_training = self.lm.training
+        self.lm.eval()  # gradient checkpointing (training mode) would drop the KV cache
+        try:
+            pos = positions(mask)
+            logits, cache = self.lm(ids, None, mask, pos, DynamicCache(), keep=1)         # [r, 1, K]
+            nxt = pos[:, -1]                                                                # [r]
+            toks, lps = [], []
+            for k in range(self.num_tokens):
+                scores = self._guide(logits[:, -1], scale)                                  # [n, K]
+                probs = torch.softmax(scores, -1)
+                tok = torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in zip(probs, gens)])  # [n]
+                toks.append(tok)
+                lps.append(torch.log_softmax(scores, -1).gather(1, tok[:, None])[:, 0])
+                if k == self.num_tokens - 1:
+                    break
+                step = tok.repeat(2 if guided else 1)[:, None]                              # [r, 1]
+                mask = torch.cat([mask, torch.ones_like(step)], 1)
+                logits, cache = self.lm(None, step, mask, (nxt + 1 + k)[:, None], cache, keep=1)
+        finally:
+            self.lm.train(was_training)
+        return torch.stack(toks, 1).cpu(), torch.stack(lps, 1).float().cpu()
+
+    @torch.no_grad()
+    def decode(self, ids: torch.Tensor) -> torch.Tensor:
+        """Images [n, 3, H, W] in [-1, 1] (CPU, fp32) of image tokens [n, A]: Janus's VQ decoder, chunked."""
+        vq = self.janus.model.vqmodel
+        chunk = self.micro_batch or len(ids)
+        return torch.cat([vq.decode(ids[i:i + chunk].to(self.device)).clamp(-1, 1).float().cpu()
+                          for i in range(0, len(ids), chunk)])
+
+    @torch.no_grad()
+    def old_log_prob(self, rollout: Rollout, index: torch.Tensor) -> torch.Tensor:
+        """Log-probs [n, A] (CPU, no grad) of rows `index`, micro_batch rows per forward (SCORE_CHUNK when unset)."""
+        chunk = self.micro_batch or SCORE_CHUNK
+        return torch.cat([self.log_prob(rollout, index[i:i + chunk]).log_prob.cpu() for i in range(0, len(index), chunk)])
+
+    @torch.no_grad()
+    def evaluate(self, examples: list[dict], seed: int) -> torch.Tensor:
+        """One image per example (example i from seed + i) at sampler.eval_cfg_scale: [n, 3, H, W] in [-1, 1]."""
+        ids, _ = self._sample_rows(examples, [seed + i for i in range(len(examples))], self.eval_cfg_scale)
+        return self.decode(ids)
+
+    # ------------------------------------------------------------------------------------------ scoring
+    def log_prob(self, rollout: Rollout, index: torch.Tensor) -> PolicyOutput:
+        """Log-probs [n, A] (with grad) of the stored image tokens of rows `index` under the sampler's distribution
+        (CFG-combined logits at the sampling temperature; module docstring), from one teacher-forced forward."""
+        ids = rollout.extras["image_ids"][index].to(self.device)                           # [n, A]
+        prompts = [self.encode_prompt(rollout.examples[i]) for i in index.tolist()]
+        logp, ent = selective_log_softmax(self._scores(prompts, ids, self.cfg_scale), ids)
+        return PolicyOutput(logp, {"entropy": ent})
+
+    def _scores(self, prompts: list[torch.Tensor], ids: torch.Tensor, scale: float) -> torch.Tensor:
+        """Sampling logits [n, A, K] of image tokens ids [n, A]: token k is predicted from the prompt and tokens < k."""
+        guided, n, a = scale != 1, len(prompts), ids.shape[1]
+        prompt, mask = self._collate(prompts, guided)                                      # [r, P]
+        image = ids[:, :-1].repeat(2 if guided else 1, 1)                                  # [r, A - 1]
+        mask = torch.cat([mask, torch.ones_like(image)], 1)                                # [r, P + A - 1]
+        pos = positions(mask)
+        if not guided or self.cfg_grad == "full":
+            return self._guide(self.lm(prompt, image, mask, pos, keep=a)[0], scale)
+        cond = self.lm(prompt[:n], image[:n], mask[:n], pos[:n], keep=a)[0]                # [n, A, K]
+        with torch.no_grad():
+            uncond = self.lm(prompt[n:], image[n:], mask[n:], pos[n:], keep=a)[0]
+        return self._guide(torch.cat([cond, uncond]), scale)
+
+    @contextlib.contextmanager
+    def reference(self):
+        if not self.has_reference:
+            raise RuntimeError("no reference model: set model.reference=auto to use a KL penalty")
+        if self.lora:
+            with self.model.disable_adapter():
+                yield
+            return
+        live, self.lm = self.lm, self._ref
+        try:
+            yield
+        finally:
+            self.lm = live
+
+    def trainable_parameters(self):
+        return [p for p in self.lm.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------------------- several processes
+    def trainable_modules(self) -> list[torch.nn.Module]:
+        return [self.lm]
+
+    def parallelize(self, wrap, parallel: str) -> None:
+        """DDP wraps the image-token path (gradients all-reduced in backward); FSDP2 shards it in place. Sampling,
+        scoring and the reference all go through it, so every rank runs the same forwards (A steps per chunk, and
+        Distributed.sample gives every rank as many rows under FSDP)."""
+        self.lm = wrap(self.lm)
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.janus.model.language_model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    # ---------------------------------------------------------------------------------------- save/load
+    def save_pretrained(self, path: str) -> None:
+        """LoRA: the peft adapter folder (PeftModel.from_pretrained(JanusForConditionalGeneration, path)). Full
+        fine-tuning: the whole Janus folder (JanusForConditionalGeneration.from_pretrained). Both with the processor."""
+        write_policy_meta(path, "janus", self.model_path, self.lora)
+        if self.lora:
+            save_lora_adapter(self.model, self.lora_config, path)
+        else:
+            self.janus.save_pretrained(path)
+        self.processor.save_pretrained(path)
+
+    def load_trainable_state(self, path: str) -> None:
+        if self.lora:
+            load_lora_adapter(self.model, path)
+        else:
+            from transformers import JanusForConditionalGeneration
+
+            self.janus.load_state_dict(JanusForConditionalGeneration.from_pretrained(path).state_dict())
+
+
+# ------------------------------------------------------------------------------------------------ building
+# keys of the other policies that Janus does not read (its A is the model's, its sampler is Janus's own CFG loop)
+READS = {"sampler": ("cfg_scale", "eval_cfg_scale", "cfg_grad", "temperature")}
+
+
+def check_janus_config(cfg) -> None:
+    """What model.policy=janus cannot honour, naming the fix (the config knows the built-in flow / token keys only)."""
+    from mmrl.algorithms.objective import build_objective
+    from mmrl.config import Config
+
+    for section in ("sampler", "model"):
+        default = type(getattr(cfg, section))()
+        for key in Config.FLOW_ONLY[section] + Config.TOKEN_ONLY[section]:
+            if key not in READS.get(section, ()) and getattr(getattr(cfg, section), key) != getattr(default, key):
+                raise ConfigError(f"{section}.{key} does not apply to model.policy=janus: remove it (Janus reads "
+                                  f"sampler.{', sampler.'.join(READS['sampler'])}; its image has the model's token count)")
+    s = cfg.sampler
+    if s.temperature <= 0:
+        raise ConfigError(f"sampler.temperature={s.temperature}: Janus samples its image tokens (greedy decoding "
+                          f"gives one image per prompt and no group variance); use 1.0 (Janus-Pro, T2I-R1)")
+    if min(s.cfg_scale, s.eval_cfg_scale) < 1:
+        raise ConfigError(f"sampler.cfg_scale / eval_cfg_scale must be >= 1 (1 = no guidance; Janus-Pro uses 5), got "
+                          f"{s.cfg_scale} / {s.eval_cfg_scale}")
+    if build_objective(cfg.algo).actions != "transitions":
+        raise ConfigError("this policy loss trains on the forward process of flow samples; model.policy=janus has "
+                          "image tokens: use algo.objective.name=ppo_clip (or dgpo / dpo)")
+    if cfg.algo.kl_coef > 0 and cfg.algo.kl.startswith("flow_"):
+        raise ConfigError(f"algo.kl={cfg.algo.kl} compares flow steps; model.policy=janus compares token log-probs: "
+                          f"set algo.kl=k3 (T2I-R1), k1 or k2")
+
+
+def load_janus(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """(JanusForConditionalGeneration, JanusProcessor) of a transformers Janus folder."""
+    from transformers import AutoProcessor, JanusForConditionalGeneration
+
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise MissingFile(f"model.path={path!r} has no config.json: point it at a transformers Janus folder "
+                          f"(e.g. a download of deepseek-community/Janus-Pro-1B or -7B)")
+    kind = json.load(open(config)).get("model_type")
+    if kind != "janus":
+        raise ConfigError(f"model.path={path!r} holds model_type={kind!r}, not 'janus'. model.policy=janus loads "
+                          f"transformers' JanusForConditionalGeneration: use the converted deepseek-community/Janus-Pro-1B"
+                          f" or -7B (deepseek-ai/Janus-Pro-* need the Janus repository's own code)")
+    model = JanusForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device)
+    vq, vision = model.config.vq_config, model.config.vision_config
+    if vision.num_image_tokens != vq.num_patches ** 2:
+        raise ConfigError(f"{config}: vision_config.num_image_tokens={vision.num_image_tokens} but the VQ decoder "
+                          f"reads a {vq.num_patches} x {vq.num_patches} grid of tokens")
+    return model, AutoProcessor.from_pretrained(path)
+
+
+def build_janus_policy(cfg) -> JanusPolicy:
+    from mmrl.config import sample_chunk
+
+    check_janus_config(cfg)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
+    device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    path = resolve_model_path(cfg.model.path)
+    meta_file = os.path.join(path, "mmrl_policy.json")
+    if os.path.isfile(meta_file) and json.load(open(meta_file)).get("lora"):
+        raise ConfigError(f"{path!r} is a LoRA policy checkpoint; set model.path to its base model "
+                          f"({json.load(open(meta_file)).get('base_model')}) and use mmrl eval for the checkpoint")
+    model, processor = load_janus(path, dtype, device)
+    return JanusPolicy(model, processor, cfg.sampler, cfg.model.lora, reference_kind(cfg), path, sample_chunk(cfg.train))
