@@ -1,7 +1,7 @@
 """GenEval (Ghosh et al. 2023, https://arxiv.org/abs/2310.11513) as a reward: object-level correctness of an image
 against a prompt's metadata, with an open-vocabulary detector and a CLIP colour classifier from transformers.
 
-Metadata (one row of GenEval's prompts/evaluation_metadata.jsonl; tasks/geneval.py reads the file):
+Metadata (one row of GenEval's prompts/evaluation_metadata.jsonl; tasks/geneval.py reads and checks it):
 
     {"tag": "position", "prompt": "a photo of a dog right of a teddy bear",
      "include": [{"class": "teddy bear", "count": 1}, {"class": "dog", "count": 1, "position": ["right of", 0]}],
@@ -27,7 +27,6 @@ reward's default max_overlap is 0.3 (the NMS IoU of transformers' OWLv2 image-gu
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
@@ -35,15 +34,11 @@ import numpy as np
 import torch
 
 from mmrl.errors import ConfigError
+from tasks.geneval import COLORS, RELATIONS, TAGS, check_metadata
 
-TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
-COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
-RELATIONS = ("left of", "right of", "above", "below")
 # GenEval's three colour prompts per class; the classifier of a colour is the normalized mean of their embeddings
 COLOR_TEMPLATES = ("a photo of a {color} {cls}", "a photo of a {color}-colored {cls}", "a photo of a {color} object")
 
-EXAMPLE_ROW = json.dumps({"tag": "counting", "include": [{"class": "dog", "count": 2}],
-                          "exclude": [{"class": "dog", "count": 3}], "prompt": "a photo of two dogs"})
 Box = tuple[float, float, float, float]                  # x0, y0, x1, y1 in pixels, y grows downwards
 Detection = tuple[Box, float, "str | None"]              # (box, score, colour or None when not classified)
 
@@ -60,47 +55,6 @@ class Rules:
 
 
 # ------------------------------------------------------------------------------------------------ metadata
-def check_metadata(row, where: str) -> dict:
-    """The row if it is GenEval metadata, else ValueError naming `where` (file:line, example i) and the field."""
-    def fail(msg):
-        raise ConfigError(f"{where}: {msg}; expected GenEval metadata like {EXAMPLE_ROW}")
-
-    def count_ok(c):
-        return isinstance(c, int) and not isinstance(c, bool) and c >= 1
-
-    if not isinstance(row, dict):
-        fail(f"not a JSON object ({type(row).__name__})")
-    for key in ("tag", "prompt"):
-        if not isinstance(row.get(key), str) or not row[key].strip():
-            fail(f"missing field {key!r} (a non-empty string)")
-    include = row.get("include")
-    if not isinstance(include, list) or not include:
-        fail("missing field 'include' (a non-empty list of clauses)")
-    for i, c in enumerate(include):
-        if not isinstance(c, dict) or not isinstance(c.get("class"), str) or not c["class"]:
-            fail(f"include[{i}] has no 'class' string")
-        if not count_ok(c.get("count")):
-            fail(f"include[{i}] needs 'count', an integer >= 1, got {c.get('count')!r}")
-        unknown = set(c) - {"class", "count", "color", "position"}
-        if unknown:
-            fail(f"include[{i}] has unknown keys {sorted(unknown)} (allowed: class, count, color, position)")
-        if "color" in c and c["color"] not in COLORS:
-            fail(f"include[{i}] color {c['color']!r} is not one of GenEval's colours {list(COLORS)}")
-        if "position" in c:
-            p = c["position"]
-            if not (isinstance(p, (list, tuple)) and len(p) == 2 and p[0] in RELATIONS and isinstance(p[1], int)
-                    and 0 <= p[1] < i):
-                fail(f"include[{i}] position must be [relation, index of an earlier clause] with a relation in "
-                     f"{list(RELATIONS)}, got {p!r}")
-    exclude = row.get("exclude", [])
-    if not isinstance(exclude, list):
-        fail("'exclude' must be a list of clauses")
-    for i, c in enumerate(exclude):
-        if not isinstance(c, dict) or not isinstance(c.get("class"), str) or not count_ok(c.get("count")):
-            fail(f"exclude[{i}] needs 'class' (a string) and 'count' (an integer >= 1)")
-    return row
-
-
 def classes_of(metadata: dict) -> list[str]:
     """The distinct class names a prompt's metadata mentions, in order: the detector's queries."""
     return list(dict.fromkeys(c["class"] for c in metadata["include"] + metadata.get("exclude", [])))
@@ -151,9 +105,9 @@ def keep_detections(detections: dict[str, list[Detection]], tag: str, rules: Rul
 def judge(metadata: dict, detections: dict[str, list[Detection]], rules: Rules = Rules()) -> tuple[bool, str]:
     """GenEval's verdict on one image: (correct, the failed checks joined by "; ", empty when correct).
 
-    metadata: a GenEval row (check_metadata). detections: {class: [(box xyxy, score, colour or None), ...]}, raw or
-    already filtered (keep_detections runs here). A colour clause needs the colours of its class's best `count`
-    detections: None there raises ValueError (the detector adapter must classify them).
+    metadata: a GenEval row (tasks.geneval.check_metadata). detections: {class: [(box xyxy, score, colour or
+    None), ...]}, raw or already filtered (keep_detections runs here). A colour clause needs the colours of its
+    class's best `count` detections: None there raises ValueError (the detector adapter must classify them).
     """
     dets = keep_detections(detections, metadata["tag"], rules)
     reasons, groups = [], []

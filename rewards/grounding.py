@@ -1,13 +1,12 @@
-"""Temporal-grounding rewards and metrics (docs/algorithms.md §7; Time-R1 lineage, TempSamp-R1).
+"""Temporal-grounding rewards and the benchmark's scoring of a policy (docs/algorithms.md §7; Time-R1 lineage,
+TempSamp-R1). The metric itself (tIoU, R1@m, mIoU) is the task's: tasks/grounding_metrics.py.
 
 The model answers `<think>...</think><answer>S to E</answer>` in seconds. `parse_answer` never raises: any
 string maps to an interval or to None (unparseable), and None scores 0 everywhere.
 
-    tiou(p, g)          |p ∩ g| / |p ∪ g|  (zero-length union: 1 if the intervals are equal, else 0)
     iou_v2(p, g, T)     tIoU · (1 − |s − s'| / T) · (1 − |e − e'| / T)    (Time-R1's distance penalty)
-    multi_window_iou    best tIoU over several ground-truth windows (QVHighlights)
     format_ok(text)     1 if the whole text is `<think>…</think> <answer>…</answer>`, else 0
-    R1@m                share of queries whose top-1 tIoU >= m (mmrl uses >=; Time-R1's evaluator uses >)
+    evaluate(policy)    greedy answers -> R1@{0.3, 0.5, 0.7} (percent) and mIoU, unparseable answers counted as 0
 """
 
 from __future__ import annotations
@@ -18,11 +17,12 @@ import re
 import torch
 
 from mmrl.errors import ConfigError
+from mmrl.evaluation import evaluate_outputs
+from tasks.grounding_metrics import THRESHOLDS, multi_window_iou, tiou
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 _SPAN = re.compile(r"(-?\d+\.?\d*)\s*(?:to|and|-)\s*(-?\d+\.?\d*)")  # signed: "-3 to 4" starts at -3
 _FORMAT = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.S)
-THRESHOLDS = (0.3, 0.5, 0.7)
 
 
 def parse_answer(text, duration: float | None = None) -> tuple[float, float] | None:
@@ -50,36 +50,14 @@ def parse_answer(text, duration: float | None = None) -> tuple[float, float] | N
     return s, e
 
 
-def tiou(p: tuple[float, float] | None, g: tuple[float, float]) -> float:
-    if p is None:
-        return 0.0
-    inter = max(0.0, min(p[1], g[1]) - max(p[0], g[0]))
-    union = max(p[1], g[1]) - min(p[0], g[0])
-    if union <= 0:
-        return 1.0 if (p[0], p[1]) == (g[0], g[1]) else 0.0
-    return inter / union
-
-
 def iou_v2(p: tuple[float, float] | None, g: tuple[float, float], duration: float) -> float:
     if p is None or duration <= 0:
         return 0.0
     return tiou(p, g) * (1 - abs(p[0] - g[0]) / duration) * (1 - abs(p[1] - g[1]) / duration)
 
 
-def multi_window_iou(p: tuple[float, float] | None, windows) -> float:
-    return max((tiou(p, tuple(w)) for w in windows), default=0.0)
-
-
 def format_ok(text) -> float:
     return float(isinstance(text, str) and _FORMAT.fullmatch(text) is not None)
-
-
-def grounding_metrics(ious: list[float], thresholds=THRESHOLDS) -> dict:
-    """{"mIoU": mean tIoU, "R1@m": share with tIoU >= m, in percent}; unparseable answers enter as 0."""
-    n = max(len(ious), 1)
-    out = {"mIoU": sum(ious) / n}
-    out.update({f"R1@{m}": 100.0 * sum(i >= m for i in ious) / n for m in thresholds})
-    return out
 
 
 _TOL = 1e-9  # 3 / 4 computed as 0.74999... is still 0.75
@@ -145,3 +123,12 @@ reaches hit_threshold (an R1@m-shaped bonus that pays for tight windows, not hed
         if self.hit_weight:
             out["overall"] += self.hit_weight * (out["iou"] >= self.hit_threshold).float()
         return out
+
+
+def evaluate(policy, examples: list[dict], batch_size: int = 32, progress: bool = True) -> dict:
+    """The grounding benchmark: {"mIoU", "R1@0.3", "R1@0.5", "R1@0.7" (percent), "parsed", "format", "n"} of the
+    policy's greedy answers (`policy.evaluate`) to `examples`, scored by GroundingReward."""
+    res = evaluate_outputs(policy.evaluate, examples, GroundingReward(), seed=0, batch_size=batch_size,
+                           progress=progress)
+    return {"mIoU": res["iou"], **{f"R1@{m}": round(100 * res[f"r1@{m}"], 2) for m in THRESHOLDS},
+            "parsed": res["parsed"], "format": res["format"], "n": res["n"]}

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from mmrl.errors import ConfigError
-from tasks.motion import COLORS, DIRECTIONS, parse
+from mmrl.evaluation import evaluate_generator
+from tasks.motion import COLORS, DIRECTIONS, Prompt, parse
 from tasks.shapes import BACKGROUND
 
 _NAMES = list(COLORS)
@@ -82,3 +83,11 @@ class MotionReward:
         w = self.correct_weight
         out["overall"] = w * out["correct"] + (1 - w) * out["found"] * (out["progress"] + out["smooth"]) / 2
         return out
+
+
+def evaluate(model, prompts: list[Prompt], seed: int = 0, num_steps: int = 16, cfg_scale: float = 1.0,
+             batch_size: int = 32, progress: bool = True) -> dict:
+    """The motion-world benchmark: motion accuracy (and the reward's components) of `model` (a FlowModel) on
+    `prompts`, overall and per direction, ODE clips scored by MotionReward; sample i uses noise seed seed + i."""
+    examples = [{"prompt": p.text, "category": p.spec.direction} for p in prompts]
+    return evaluate_generator(model, examples, MotionReward(), seed, num_steps, cfg_scale, batch_size, progress)

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from mmrl.errors import ConfigError
-from tasks.shapes import BACKGROUND, COLORS, Spec, parse, relation_holds, to_uint8
+from mmrl.evaluation import evaluate_generator
+from tasks.shapes import BACKGROUND, COLORS, Prompt, Spec, parse, relation_holds, to_uint8
 
 _NAMES = list(COLORS)
 _PALETTE = np.array([COLORS[c] for c in _NAMES] + [BACKGROUND], dtype=np.float32)  # [C + 1, 3]
@@ -144,3 +145,15 @@ class ShapesReward:
             out["saturation"] = torch.from_numpy(saturation(imgs))
             overall = overall + self.saturation_weight * out["saturation"]
         return {"overall": overall, **out}
+
+
+# The benchmark protocol: 16 ODE steps without guidance (the small bases score best at CFG 1-2; see the docs).
+EVAL_STEPS, EVAL_CFG = 16, 1.0
+
+
+def evaluate(model, prompts: list[Prompt], seed: int = 0, num_steps: int = EVAL_STEPS, cfg_scale: float = EVAL_CFG,
+             batch_size: int = 64, progress: bool = True) -> dict:
+    """The shapes-world benchmark: strict and partial accuracy of `model` (a FlowModel) on `prompts`, overall and
+    per category, ODE samples scored by ShapesReward; sample i uses noise seed seed + i."""
+    examples = [{"prompt": p.text, "category": p.spec.category} for p in prompts]
+    return evaluate_generator(model, examples, ShapesReward(), seed, num_steps, cfg_scale, batch_size, progress)

@@ -49,9 +49,9 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     from mmrl.policy.vlm import load_token_policy
-    from tasks.grounding import GROUNDING_PROMPT
     from mmrl.video import VideoOptions
-    from tasks import grounding as grounding_eval
+    from rewards.grounding import evaluate
+    from tasks.grounding import GROUNDING_PROMPT, constant_baseline
     from tasks.grounding_data import load_dataset
 
     missing = "skip" if args.skip_broken else "raise"
@@ -84,13 +84,13 @@ def main(argv=None):
         examples = [{**r, "prompt": template.format(query=r["query"], duration=r["duration"]),
                      "text_first": text_first} for r in split_rows[:n]]
         sizes[split] = len(examples)
-        res = {"constant_baseline": grounding_eval.constant_baseline([r for r in fit if r["windows"]], examples)}
+        res = {"constant_baseline": constant_baseline([r for r in fit if r["windows"]], examples)}
         b = res["constant_baseline"]
         print(f"[{split}] constant answer {b['window_fraction']} x duration: mIoU {b['mIoU']:.4f} R1@0.3 "
               f"{b['R1@0.3']:.1f} R1@0.5 {b['R1@0.5']:.1f} R1@0.7 {b['R1@0.7']:.1f}")
         for ck, policy in policies.items():
             t0 = time.time()
-            r = grounding_eval.evaluate(policy, examples)
+            r = evaluate(policy, examples)
             r["seconds"] = round(time.time() - t0, 1)
             r["skipped_videos"] = policy.skipped_examples
             res[ck] = r

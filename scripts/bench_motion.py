@@ -21,9 +21,10 @@ def describe(res: dict) -> str:
 def main(argv=None):
     from functools import partial
 
-    from tasks import motion, motion_eval
+    from rewards.motion import evaluate
+    from tasks import motion
 
-    flow_bench_main(argv, __doc__, 256, 32, motion.balanced_prompts, partial(motion_eval.evaluate, progress=False), describe)
+    flow_bench_main(argv, __doc__, 256, 32, motion.balanced_prompts, partial(evaluate, progress=False), describe)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ def describe(res: dict) -> str:
 
 
 def main(argv=None):
+    from rewards.shapes import evaluate
     from tasks import shapes
-    from tasks.shapes_eval import evaluate
 
     flow_bench_main(argv, __doc__, 504, 60, shapes.balanced_prompts, evaluate, describe)
 

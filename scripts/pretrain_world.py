@@ -64,9 +64,9 @@ class World:
         return [p.text for p in ps], x0
 
     def evaluate(self, model: FlowModel, n: int, seed: int = 0) -> dict:
-        from tasks import motion_eval, shapes_eval
+        from rewards import motion as motion_reward, shapes as shapes_reward
 
-        evaluate = (motion_eval if self.frames else shapes_eval).evaluate
+        evaluate = (motion_reward if self.frames else shapes_reward).evaluate
         return evaluate(model, self.mod.balanced_prompts("heldout", n, seed=1234), seed=seed, progress=False)
 
 

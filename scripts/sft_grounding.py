@@ -185,8 +185,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    from rewards.grounding import GroundingReward
-    from tasks import grounding as grounding_eval
+    from rewards import grounding as grounding_reward
 
     task = make_task(args)
     if args.init:
@@ -208,7 +207,7 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(args.seed)
     if args.rft or args.dpo:
         policy.defer_old_log_prob = True  # sampled rows are scored by the update itself
-        reward = GroundingReward(coarse="bit" if args.rft else args.coarse)
+        reward = grounding_reward.GroundingReward(coarse="bit" if args.rft else args.coarse)
     counts = {"sampled": 0, "kept": 0, "pairs": 0}
     buffer: list[tuple[dict, str]] = []
     t0 = time.time()
@@ -252,7 +251,7 @@ def main(argv=None):
                            **(extra or {}), "command": " ".join(sys.argv)}, f, indent=2)
 
     def evaluate(step, loss) -> dict:
-        res = grounding_eval.evaluate(policy, eval_set, progress=False)
+        res = grounding_reward.evaluate(policy, eval_set, progress=False)
         rec = {"step": step, "minutes": round((time.time() - t0) / 60, 2), "loss": loss, **res}
         if args.rft or args.dpo:
             rec.update(counts)

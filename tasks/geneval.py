@@ -14,11 +14,58 @@ import os
 
 from mmrl.errors import ConfigError, MissingFile
 from mmrl.task import jsonl_rows, split_heldout
-from rewards.geneval import check_metadata
 
 log = logging.getLogger(__name__)
 
 METADATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "geneval", "evaluation_metadata.jsonl")
+# GenEval's vocabulary: the tags of its prompts, the colours and relations its clauses may ask
+TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
+RELATIONS = ("left of", "right of", "above", "below")
+
+EXAMPLE_ROW = json.dumps({"tag": "counting", "include": [{"class": "dog", "count": 2}],
+                          "exclude": [{"class": "dog", "count": 3}], "prompt": "a photo of two dogs"})
+
+
+def check_metadata(row, where: str) -> dict:
+    """The row if it is GenEval metadata, else ConfigError naming `where` (file:line, example i) and the field."""
+    def fail(msg):
+        raise ConfigError(f"{where}: {msg}; expected GenEval metadata like {EXAMPLE_ROW}")
+
+    def count_ok(c):
+        return isinstance(c, int) and not isinstance(c, bool) and c >= 1
+
+    if not isinstance(row, dict):
+        fail(f"not a JSON object ({type(row).__name__})")
+    for key in ("tag", "prompt"):
+        if not isinstance(row.get(key), str) or not row[key].strip():
+            fail(f"missing field {key!r} (a non-empty string)")
+    include = row.get("include")
+    if not isinstance(include, list) or not include:
+        fail("missing field 'include' (a non-empty list of clauses)")
+    for i, c in enumerate(include):
+        if not isinstance(c, dict) or not isinstance(c.get("class"), str) or not c["class"]:
+            fail(f"include[{i}] has no 'class' string")
+        if not count_ok(c.get("count")):
+            fail(f"include[{i}] needs 'count', an integer >= 1, got {c.get('count')!r}")
+        unknown = set(c) - {"class", "count", "color", "position"}
+        if unknown:
+            fail(f"include[{i}] has unknown keys {sorted(unknown)} (allowed: class, count, color, position)")
+        if "color" in c and c["color"] not in COLORS:
+            fail(f"include[{i}] color {c['color']!r} is not one of GenEval's colours {list(COLORS)}")
+        if "position" in c:
+            p = c["position"]
+            if not (isinstance(p, (list, tuple)) and len(p) == 2 and p[0] in RELATIONS and isinstance(p[1], int)
+                    and 0 <= p[1] < i):
+                fail(f"include[{i}] position must be [relation, index of an earlier clause] with a relation in "
+                     f"{list(RELATIONS)}, got {p!r}")
+    exclude = row.get("exclude", [])
+    if not isinstance(exclude, list):
+        fail("'exclude' must be a list of clauses")
+    for i, c in enumerate(exclude):
+        if not isinstance(c, dict) or not isinstance(c.get("class"), str) or not count_ok(c.get("count")):
+            fail(f"exclude[{i}] needs 'class' (a string) and 'count' (an integer >= 1)")
+    return row
 
 
 def read_metadata(path: str) -> list[dict]:

@@ -1,7 +1,7 @@
 """Video temporal grounding as a task: a dataset in its distributed format (task.name=grounding) or the embedded
-synthetic-video world (task.name=grounding_world); the benchmark metric (greedy answers scored by tIoU ->
-R1@{0.3, 0.5, 0.7} (>=) and mIoU, unparseable answers counted as 0) and the blind constant-answer baseline
-printed beside every model."""
+synthetic-video world (task.name=grounding_world), and the blind constant-answer baseline printed beside every
+model, scored in the benchmark metric (tasks/grounding_metrics.py: tIoU -> R1@{0.3, 0.5, 0.7} (>=) and mIoU). A
+policy's greedy answers are scored by rewards/grounding.py `evaluate`."""
 
 from __future__ import annotations
 
@@ -9,19 +9,9 @@ import json
 import random
 
 from mmrl.errors import ConfigError
-from mmrl.evaluation import evaluate_outputs
-from rewards.grounding import GroundingReward, grounding_metrics, multi_window_iou
 from tasks.grounding_data import load_dataset
+from tasks.grounding_metrics import grounding_metrics, multi_window_iou
 from tasks.grounding_world import ANSWER, DEFAULT_VIDEOS, OOD_SPLITS, OOD_VIDEOS, PROMPT, build_world
-
-
-def evaluate(policy, examples: list[dict], batch_size: int = 32, progress: bool = True) -> dict:
-    """{"mIoU", "R1@0.3", "R1@0.5", "R1@0.7" (percent), "parsed", "format", "n"} of greedy answers."""
-    res = evaluate_outputs(policy.evaluate, examples, GroundingReward(), seed=0, batch_size=batch_size,
-                           progress=progress)
-    out = {"mIoU": res["iou"], **{f"R1@{m}": round(100 * res[f"r1@{m}"], 2) for m in (0.3, 0.5, 0.7)},
-           "parsed": res["parsed"], "format": res["format"], "n": res["n"]}
-    return out
 
 
 def constant_baseline(fit: list[dict], examples: list[dict], step: float = 0.05) -> dict:

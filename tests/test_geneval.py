@@ -13,8 +13,9 @@ import torch
 
 from mmrl.reward import REWARDS, RewardRunner
 from mmrl.task import TASKS
-from rewards.geneval import (Rules, box_iou, check_metadata, geneval_score, judge, keep_detections,
-                             relative_position, shapes_detections, shapes_metadata)
+from rewards.geneval import (Rules, box_iou, geneval_score, judge, keep_detections, relative_position,
+                             shapes_detections, shapes_metadata)
+from tasks.geneval import check_metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEFT, RIGHT = (0, 40, 10, 50), (30, 40, 40, 50)   # boxes xyxy, same row

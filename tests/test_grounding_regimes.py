@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from mmrl.config import TaskConfig
-from rewards.grounding import GroundingReward, tiou
+from rewards.grounding import GroundingReward
 from tasks.grounding import (GroundingWorldTask, apply_label_noise, keep_queries, random_span, select_label_pool,
                              shifted_span)
+from tasks.grounding_metrics import tiou
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_OOD = {"train": 8, "test": 2, "long": 1, "novel": 1, "crowded": 1}
@@ -236,7 +237,7 @@ def test_plateau_rule_on_a_scripted_sequence():
 def test_until_plateau_saves_the_best_and_stops(ood_world, tmp_path, monkeypatch):
     """sft_grounding.py --until-plateau with a scripted held-out mIoU: it stops after `patience` evaluations
     without a rise and --out holds the best model (evaluation 1), scored on the id queries only."""
-    import tasks.grounding as grounding
+    import rewards.grounding as grounding
 
     sft = script("sft_grounding")
     scripted, seen = iter([0.1, 0.2, 0.2, 0.15, 0.9]), []

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewards.grounding import (GroundingReward, format_ok, grounding_metrics, iou_v2, multi_window_iou,
-                               parse_answer, tiou)
+from rewards.grounding import GroundingReward, format_ok, iou_v2, parse_answer
 from tasks.grounding import constant_baseline
+from tasks.grounding_metrics import grounding_metrics, multi_window_iou, tiou
 
 
 @pytest.mark.parametrize("text,dur,want", [

@@ -26,7 +26,8 @@ LAYERS = [
     # 2 the interfaces and their registries
     ["mmrl.policy.*", "mmrl.reward", "mmrl.task", "mmrl.rollout.pairwise", "mmrl.distributed", "mmrl.evaluation", "mmrl.report",
      "mmrl.rollout.collect"],
-    # 3 plugins: the built-in rewards and tasks, which mmrl reaches only through registry strings
+    # 3 plugins: the built-in rewards and tasks, which mmrl reaches only through registry strings; a reward may
+    #   import a task (its world's vocabulary), never the reverse (test_tasks_never_import_rewards)
     ["rewards.*", "tasks.*"],
     # 4 composition: config names -> objects; checkpoint files
     ["mmrl.compose", "mmrl.checkpoint", "mmrl.checkpoint_state"],
@@ -119,6 +120,13 @@ def test_the_config_is_a_leaf_and_the_core_never_imports_a_plugin():
     assert GRAPH["mmrl.errors"] == set()
     core = [m for m in MODS if m.startswith("mmrl") and layer_of(m) <= 2]
     assert [(m, d) for m in core for d in GRAPH[m] if not d.startswith("mmrl")] == []
+
+
+def test_tasks_never_import_rewards():
+    """A reward scores a world's outputs, so it may read the world's vocabulary (rewards -> tasks); a task, its
+    dataset and its benchmark metric never need a reward (the benchmark's scoring lives with the reward)."""
+    top = {m: m.partition(".")[0] for m in MODS}
+    assert sorted((m, d) for m in MODS if top[m] == "tasks" for d in GRAPH[m] if top[d] == "rewards") == []
 
 
 def test_the_checker_sees_function_level_imports(tmp_path):

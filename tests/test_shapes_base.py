@@ -3,8 +3,8 @@
 import os
 
 from mmrl.models.pipelines import load_flow_model
+from rewards.shapes import evaluate
 from tasks import shapes
-from tasks.shapes_eval import evaluate
 
 BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tasks", "assets", "shapes-base")
 
