@@ -60,7 +60,12 @@ def check(cfg: Config, nproc: int = 1, config_path: str | None = None,
             problems.append(str(e))
             return False
 
-    if policy_kind(cfg.model.policy) is not None:  # a user's own policy reads model.path its own way
+    # a builder may carry its own config checks (janus: the keys it reads); a user's own policy without them reads
+    # model.path its own way
+    policy_check = getattr(compose.POLICIES[cfg.model.policy], "check_config", None)
+    if policy_check is not None:
+        run(policy_check, cfg)
+    if policy_kind(cfg.model.policy) is not None or policy_check is not None:
         run(_check_model, cfg, config_path)
     files_ok = run(_check_path, "task.prompt_file", cfg.task.prompt_file, config_path, True) \
         if cfg.task.prompt_file else True

@@ -124,6 +124,7 @@ def test_cfg_and_log_probs_by_hand(tiny_janus):
     pol = policy_for(tiny_janus, cfg_scale=3.0, temperature=2.0)
     c, u = torch.tensor([[1.0, 2.0]]), torch.tensor([[0.0, 1.0]])
     assert torch.equal(pol._guide(torch.cat([c, u]), 3.0), torch.tensor([[1.5, 2.0]]))  # ([0, 1] + 3 [1, 1]) / 2
+    assert torch.equal(pol._guide(c, 1.0), torch.tensor([[0.5, 1.0]]))  # scale 1: the conditional row alone
     ro = pol.sample(PROMPTS[:1], 2, torch.Generator().manual_seed(0))
     janus, ids = pol.janus, ro.extras["image_ids"]                                          # [2, 16]
     prompt = pol.encode_prompt(PROMPTS[0])[0]                                               # [P]
@@ -147,12 +148,13 @@ def test_cfg_and_log_probs_by_hand(tiny_janus):
 
 
 # ------------------------------------------------------------------------------------------------ contract
-@pytest.mark.parametrize("lora, cfg_grad, micro_batch", [(False, "full", 0), (True, "cond", 3)])
-def test_policy_contract(tiny_janus, lora, cfg_grad, micro_batch):
+@pytest.mark.parametrize("lora, cfg_grad, micro_batch, cfg_scale", [(False, "full", 0, 3.0), (True, "cond", 3, 5.0),
+                                                                     (False, "full", 2, 1.0)])
+def test_policy_contract(tiny_janus, lora, cfg_grad, micro_batch, cfg_scale):
     from mmrl.policy.base import Policy
     from mmrl.testing.contract import check_policy
 
-    pol = policy_for(tiny_janus, lora=lora, cfg_grad=cfg_grad, micro_batch=micro_batch)
+    pol = policy_for(tiny_janus, lora=lora, cfg_grad=cfg_grad, micro_batch=micro_batch, cfg_scale=cfg_scale)
     assert isinstance(pol, Policy)
     if lora:
         names = [n for n, p in pol.lm.named_parameters() if p.requires_grad]
@@ -162,7 +164,8 @@ def test_policy_contract(tiny_janus, lora, cfg_grad, micro_batch):
     # the contract recomputes the rollout's old log-probs; the sampler's own (KV-cached decoding) agree with them too
     ro = pol.sample(PROMPTS, 3, torch.Generator().manual_seed(0))
     sampler_dev = (ro.extras["rollout_log_prob"] - ro.old_log_prob).abs().max().item()
-    print(f"janus contract (lora={lora}, cfg_grad={cfg_grad}): {summary}, max |logp - sampler logp| {sampler_dev:.1e}")
+    print(f"janus contract (lora={lora}, cfg_grad={cfg_grad}, cfg {cfg_scale}): {summary}, "
+          f"max |logp - sampler logp| {sampler_dev:.1e}")
     assert summary["actions"] == 16 and summary["max_ratio_error"] < 1e-5 and sampler_dev < 1e-5
     # a row is the same whichever rows are sampled with it (several processes sample parts of a batch)
     full = pol.sample(PROMPTS, 3, torch.Generator().manual_seed(4))
@@ -171,18 +174,31 @@ def test_policy_contract(tiny_janus, lora, cfg_grad, micro_batch):
 
 
 def test_gradients_of_cfg_grad(tiny_janus):
-    """cfg_grad=cond differentiates the conditional row only: the gradient of log p is s x the conditional part of
-    the full one, which is the full gradient minus the unconditional part (1 - s)."""
+    """log p = log_softmax((u + s (c - u)) / T): cfg_grad=full differentiates both rows, cfg_grad=cond the
+    conditional row only, so full = cond + the gradient through the unconditional row alone (written out here)."""
+    from mmrl.policy.janus import positions
+
+    pol = policy_for(tiny_janus, cfg_scale=3.0, temperature=1.5)
+    ro = pol.sample(PROMPTS, 1, torch.Generator().manual_seed(0))
+    ids, params = ro.extras["image_ids"], pol.trainable_parameters()
+
+    def grad(loss):
+        return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+
     grads = {}
     for mode in ("full", "cond"):
-        pol = policy_for(tiny_janus, cfg_scale=3.0, cfg_grad=mode)
-        ro = pol.sample(PROMPTS[:1], 2, torch.Generator().manual_seed(0))
-        pol.log_prob(ro, torch.arange(2)).log_prob.sum().backward()
-        grads[mode] = torch.cat([p.grad.flatten() for p in pol.trainable_parameters()])
-    assert not torch.allclose(grads["full"], grads["cond"], atol=1e-6)
-    pol = policy_for(tiny_janus, cfg_scale=1.0)  # no guidance: one conditional row, the two modes agree
-    ro = pol.sample(PROMPTS[:1], 2, torch.Generator().manual_seed(0))
-    assert torch.isfinite(pol.log_prob(ro, torch.arange(2)).log_prob).all()
+        pol.cfg_grad = mode
+        grads[mode] = grad(pol.log_prob(ro, torch.arange(2)).log_prob.sum())
+    prompt, mask = pol._collate([pol.encode_prompt(ex) for ex in PROMPTS], True)          # [4, P]
+    image = ids[:, :-1].repeat(2, 1)
+    mask = torch.cat([mask, torch.ones_like(image)], 1)
+    with torch.no_grad():
+        c = pol.lm(prompt[:2], image[:2], mask[:2], positions(mask[:2]), keep=16)[0]
+    u = pol.lm(prompt[2:], image[2:], mask[2:], positions(mask[2:]), keep=16)[0]
+    logp = torch.log_softmax((u + 3.0 * (c - u)) / 1.5, -1).gather(-1, ids[..., None])
+    uncond_only = grad(logp.sum())
+    assert grads["full"].abs().max() > 1e-3 and uncond_only.abs().max() > 1e-3
+    torch.testing.assert_close(grads["full"], grads["cond"] + uncond_only, rtol=1e-4, atol=1e-6)
 
 
 def test_reference_and_config_errors(tiny_janus):
@@ -205,6 +221,11 @@ def test_reference_and_config_errors(tiny_janus):
         with pytest.raises(ConfigError, match=match):
             extra = ["algo.kl=flow_mean"] if item.startswith("algo.kl_coef") else []
             check_janus_config(load_config(RECIPE, [item, *extra]))
+    from mmrl.preflight import check  # mmrl validate runs the same checks, before any weight loads
+
+    problems = check(load_config(RECIPE, [f"model.path={tiny_janus}", "sampler.num_steps=4"]))
+    assert any("sampler.num_steps does not apply to model.policy=janus" in p for p in problems)
+    assert not any("model.path" in p for p in problems)  # the folder has a config.json
 
 
 # ------------------------------------------------------------------------------------------------ save / load
@@ -219,7 +240,8 @@ def test_lora_saved_and_loaded_back_by_peft(tiny_janus, tmp_path):
     perturb(pol.trainable_parameters())
     pol.save_pretrained(str(tmp_path / "lora"))
     assert json.load(open(tmp_path / "lora" / "mmrl_policy.json"))["policy"] == "janus"
-    loaded = PeftModel.from_pretrained(JanusForConditionalGeneration.from_pretrained(tiny_janus), str(tmp_path / "lora"))
+    base = JanusForConditionalGeneration.from_pretrained(tiny_janus)
+    loaded = PeftModel.from_pretrained(base, str(tmp_path / "lora"))
     ro = pol.sample(PROMPTS[:1], 1, torch.Generator().manual_seed(3))
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(3)))
     hf = hf_generate(loaded.get_base_model(), pol.processor, PROMPTS[0]["prompt"], seed, 3.0, 1.0)
@@ -234,7 +256,8 @@ def test_lora_saved_and_loaded_back_by_peft(tiny_janus, tmp_path):
     perturb(full.trainable_parameters(), 0.05)
     full.save_pretrained(str(tmp_path / "full"))
     reloaded = policy_for(str(tmp_path / "full"))
-    torch.testing.assert_close(reloaded.log_prob(ro, torch.arange(1)).log_prob, full.log_prob(ro, torch.arange(1)).log_prob)
+    one = torch.arange(1)
+    torch.testing.assert_close(reloaded.log_prob(ro, one).log_prob, full.log_prob(ro, one).log_prob)
 
 
 # ------------------------------------------------------------------------------------------------ the recipe
@@ -306,8 +329,11 @@ def run_worker(model, out, parallel, procs):
 
 def test_two_processes_end_where_one_ends(tiny_janus, tmp_path):
     """2 iterations (3 prompts x 4 images, 2 minibatches; full fine-tuning with a KL reference copy) under DDP and
-    FSDP2 on 2 processes (gloo) end with the single-process parameters."""
+    FSDP2 on 2 processes (gloo) end with the single-process parameters; each run's last checkpoint gives a policy
+    folder (under FSDP built from the shards) that loads with those parameters."""
     from safetensors.torch import load_file
+
+    from mmrl.checkpoint import policy_folder
 
     run_worker(tiny_janus, str(tmp_path / "one.safetensors"), "none", 1)
     one = load_file(tmp_path / "one.safetensors")
@@ -320,6 +346,8 @@ def test_two_processes_end_where_one_ends(tiny_janus, tmp_path):
         d = max((one[k] - got[k]).abs().max().item() for k in one)
         print(f"janus, {mode}: max abs difference from one process {d:.2e}")
         assert d < 1e-5, f"{mode}: {d}"
+        saved = policy_for(policy_folder(str(tmp_path / f"run-{mode}"))).trainable_parameters()
+        assert max((got[f"p{i}"] - p.detach()).abs().max().item() for i, p in enumerate(saved)) < 1e-6
 
 
 def worker(model: str, out: str, parallel: str) -> None:
@@ -335,13 +363,14 @@ def worker(model: str, out: str, parallel: str) -> None:
         f"log.out_dir={os.path.dirname(out)}/run-{parallel}", f"train.parallel={parallel}",
         "reward.name=test_janus:brightness", "reward.kwargs={}", "algo.kl_coef=0.01", "train.prompts_per_iter=3",
         "train.group_size=4", "train.minibatches=2", "train.micro_batch=0", "train.gradient_checkpointing=false",
-        "train.mixed_precision=no", "train.lr=1e-3", "log.tensorboard=false", "log.eval_at_start=false",
-        "log.progress=false"])
+        "train.mixed_precision=no", "train.lr=1e-3", "train.iterations=2", "log.tensorboard=false",
+        "log.eval_at_start=false", "log.progress=false"])
     tr = Trainer(cfg)
     for it in range(2):
         tr.iteration = it
         m = tr.step(it)
-    tr.dist.check_in_sync(tr.params)
+    tr.iteration = 2
+    tr.save()  # the run's last checkpoint (train.iterations=2): it checks that the ranks agree
     params = {f"p{i}": full(q).detach().clone().contiguous() for i, q in enumerate(tr.params)}
     if tr.dist.main:
         save_file(params, out)

@@ -172,7 +172,8 @@ class JanusPolicy(PolicyDefaults):
         row_examples = [examples[r // group_size] for r in rows.tolist()]
         ids, lps = self._sample_rows(row_examples, [seed + r for r in rows.tolist()], self.cfg_scale)   # [n, A]
         ro = Rollout(group_id=group_ids(len(examples), group_size)[rows],
-                     old_log_prob=torch.full(ids.shape, float("nan")), action_mask=torch.ones(ids.shape, dtype=torch.bool),
+                     old_log_prob=torch.full(ids.shape, float("nan")),
+                     action_mask=torch.ones(ids.shape, dtype=torch.bool),
                      examples=row_examples, outputs=self.decode(ids),
                      extras={"image_ids": ids, "rollout_log_prob": lps})
         if not self.defer_old_log_prob:  # deferred: the trainer's first forward, under these weights, fills them
@@ -230,7 +231,8 @@ class JanusPolicy(PolicyDefaults):
     def old_log_prob(self, rollout: Rollout, index: torch.Tensor) -> torch.Tensor:
         """Log-probs [n, A] (CPU, no grad) of rows `index`, micro_batch rows per forward (SCORE_CHUNK when unset)."""
         chunk = self.micro_batch or SCORE_CHUNK
-        return torch.cat([self.log_prob(rollout, index[i:i + chunk]).log_prob.cpu() for i in range(0, len(index), chunk)])
+        return torch.cat([self.log_prob(rollout, index[i:i + chunk]).log_prob.cpu()
+                          for i in range(0, len(index), chunk)])
 
     @torch.no_grad()
     def evaluate(self, examples: list[dict], seed: int) -> torch.Tensor:
@@ -289,8 +291,13 @@ class JanusPolicy(PolicyDefaults):
         self.lm = wrap(self.lm)
 
     def enable_gradient_checkpointing(self) -> None:
-        self.janus.model.language_model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        """The language model's layers recompute their activations in backward (sampling runs in eval mode, where
+        transformers keeps the KV cache)."""
+        lm = self.janus.model.language_model
+        if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.x's name (the old one warns)
+            lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     # ---------------------------------------------------------------------------------------- save/load
     def save_pretrained(self, path: str) -> None:
@@ -327,7 +334,8 @@ def check_janus_config(cfg) -> None:
         for key in Config.FLOW_ONLY[section] + Config.TOKEN_ONLY[section]:
             if key not in READS.get(section, ()) and getattr(getattr(cfg, section), key) != getattr(default, key):
                 raise ConfigError(f"{section}.{key} does not apply to model.policy=janus: remove it (Janus reads "
-                                  f"sampler.{', sampler.'.join(READS['sampler'])}; its image has the model's token count)")
+                                  f"sampler.{', sampler.'.join(READS['sampler'])}; an image has the model's token "
+                                  f"count)")
     s = cfg.sampler
     if s.temperature <= 0:
         raise ConfigError(f"sampler.temperature={s.temperature}: Janus samples its image tokens (greedy decoding "
@@ -354,8 +362,9 @@ def load_janus(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu
     kind = json.load(open(config)).get("model_type")
     if kind != "janus":
         raise ConfigError(f"model.path={path!r} holds model_type={kind!r}, not 'janus'. model.policy=janus loads "
-                          f"transformers' JanusForConditionalGeneration: use the converted deepseek-community/Janus-Pro-1B"
-                          f" or -7B (deepseek-ai/Janus-Pro-* need the Janus repository's own code)")
+                          f"transformers' JanusForConditionalGeneration: use the converted "
+                          f"deepseek-community/Janus-Pro-1B or -7B (deepseek-ai/Janus-Pro-* need the Janus "
+                          f"repository's own code)")
     model = JanusForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device)
     vq, vision = model.config.vq_config, model.config.vision_config
     if vision.num_image_tokens != vq.num_patches ** 2:
@@ -376,4 +385,8 @@ def build_janus_policy(cfg) -> JanusPolicy:
         raise ConfigError(f"{path!r} is a LoRA policy checkpoint; set model.path to its base model "
                           f"({json.load(open(meta_file)).get('base_model')}) and use mmrl eval for the checkpoint")
     model, processor = load_janus(path, dtype, device)
-    return JanusPolicy(model, processor, cfg.sampler, cfg.model.lora, reference_kind(cfg), path, sample_chunk(cfg.train))
+    return JanusPolicy(model, processor, cfg.sampler, cfg.model.lora, reference_kind(cfg), path,
+                       sample_chunk(cfg.train))
+
+
+build_janus_policy.check_config = check_janus_config  # mmrl validate runs it before any weight loads
