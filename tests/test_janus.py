@@ -327,27 +327,35 @@ def run_worker(model, out, parallel, procs):
     return r
 
 
-def test_two_processes_end_where_one_ends(tiny_janus, tmp_path):
-    """2 iterations (3 prompts x 4 images, 2 minibatches; full fine-tuning with a KL reference copy) under DDP and
-    FSDP2 on 2 processes (gloo) end with the single-process parameters; each run's last checkpoint gives a policy
-    folder (under FSDP built from the shards) that loads with those parameters."""
+@pytest.fixture(scope="module")
+def one_process(tiny_janus, tmp_path_factory) -> str:
+    """The single-process run of test_two_processes_end_where_one_ends: its final parameters (safetensors)."""
+    out = str(tmp_path_factory.mktemp("janus-dist") / "one.safetensors")
+    run_worker(tiny_janus, out, "none", 1)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
+def test_two_processes_end_where_one_ends(tiny_janus, one_process, tmp_path, mode):
+    """2 iterations (3 prompts x 4 images, 2 minibatches; full fine-tuning with a KL reference copy) on 2 processes
+    (gloo) end with the single-process parameters; the run's last checkpoint gives a policy folder (under FSDP built
+    from the shards) that loads with those parameters. FSDP2 in the default run (its ranks must run the same
+    forwards), DDP with -m slow (~30 s each on 2 cores)."""
     from safetensors.torch import load_file
 
     from mmrl.checkpoint import policy_folder
 
-    run_worker(tiny_janus, str(tmp_path / "one.safetensors"), "none", 1)
-    one = load_file(tmp_path / "one.safetensors")
+    one = load_file(one_process)
     start = policy_for(tiny_janus).trainable_parameters()
     assert max((one[f"p{i}"] - p.detach()).abs().max().item() for i, p in enumerate(start)) > 1e-4  # it learns
-    for mode in ("ddp", "fsdp"):
-        r = run_worker(tiny_janus, str(tmp_path / f"{mode}.safetensors"), mode, 2)
-        assert "world 2" in r.stdout
-        got = load_file(tmp_path / f"{mode}.safetensors")
-        d = max((one[k] - got[k]).abs().max().item() for k in one)
-        print(f"janus, {mode}: max abs difference from one process {d:.2e}")
-        assert d < 1e-5, f"{mode}: {d}"
-        saved = policy_for(policy_folder(str(tmp_path / f"run-{mode}"))).trainable_parameters()
-        assert max((got[f"p{i}"] - p.detach()).abs().max().item() for i, p in enumerate(saved)) < 1e-6
+    r = run_worker(tiny_janus, str(tmp_path / f"{mode}.safetensors"), mode, 2)
+    assert "world 2" in r.stdout
+    got = load_file(tmp_path / f"{mode}.safetensors")
+    d = max((one[k] - got[k]).abs().max().item() for k in one)
+    print(f"janus, {mode}: max abs difference from one process {d:.2e}")
+    assert d < 1e-5, f"{mode}: {d}"
+    saved = policy_for(policy_folder(str(tmp_path / f"run-{mode}"))).trainable_parameters()
+    assert max((got[f"p{i}"] - p.detach()).abs().max().item() for i, p in enumerate(saved)) < 1e-6
 
 
 def worker(model: str, out: str, parallel: str) -> None:
