@@ -65,13 +65,13 @@ def tiny_janus(tmp_path_factory) -> str:
     return build_tiny_janus(str(tmp_path_factory.mktemp("models") / "tiny-janus"))
 
 
-def policy_for(path, lora=False, cfg_scale=3.0, temperature=1.0, cfg_grad="full", micro_batch=0, **kw):
+def policy_for(path, lora=False, cfg_scale=3.0, temperature=1.0, cfg_grad="full", micro_batch=0, rank=4, alpha=8, **kw):
     from mmrl.config import LoraConfig, SamplerConfig
     from mmrl.policy.janus import JanusPolicy, load_janus
 
     model, processor = load_janus(path)
     sampler = SamplerConfig(cfg_scale=cfg_scale, eval_cfg_scale=cfg_scale, temperature=temperature, cfg_grad=cfg_grad)
-    return JanusPolicy(model, processor, sampler, LoraConfig(enabled=lora, rank=4, alpha=8), model_path=path,
+    return JanusPolicy(model, processor, sampler, LoraConfig(enabled=lora, rank=rank, alpha=alpha), model_path=path,
                        micro_batch=micro_batch, **kw)
 
 
@@ -309,6 +309,16 @@ def test_recipe_trains_two_iterations_then_eval_and_sample(tiny_janus, tiny_rewa
     rows = [json.loads(x) for x in open(written["samples"])]
     assert len(rows) == 4 and all("overall" in r for r in rows) and os.path.isfile(written["contact_sheet"])
     assert os.path.isfile(tmp_path / "samples" / "run" / "1.png")
+    # mmrl export: the adapter fused into a plain Janus folder that scores as the trained policy does
+    from mmrl.export import export
+
+    trained = policy_for(tiny_janus, lora=True, rank=cfg.model.lora.rank, alpha=cfg.model.lora.alpha)
+    trained.load_trainable_state(policy)
+    merged = policy_for(export(out, str(tmp_path / "exported")))
+    ro, rows = trained.sample(examples, 2, torch.Generator().manual_seed(0)), torch.arange(4)
+    want = trained.log_prob(ro, rows).log_prob
+    assert (want - policy_for(tiny_janus).log_prob(ro, rows).log_prob).abs().max() > 1e-6  # training moved it
+    torch.testing.assert_close(merged.log_prob(ro, rows).log_prob, want, rtol=0, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ processes
