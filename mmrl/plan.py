@@ -37,23 +37,23 @@ wall-clock time is estimated: FLOPs and rows per GPU are given instead.
 
 from __future__ import annotations
 
-
-from __future__ import annotations
-
 import functools
 import logging
 import math
 import os
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from mmrl.algorithms.objective import build_objective
 from mmrl.config import policy_kind, sample_chunk
+from mmrl.devices import torch_dtype
 from mmrl.distributed import check_parallel_config, transformer_blocks
 from mmrl.errors import ConfigError, MissingFile
-from mmrl.models.families import all_architectures
-from mmrl.plan_models import (_DTYPES, Shapes, decode_peak, flow_model, frozen_parts,  # noqa: F401 (decode_peak)
-                              measure_forward, param_bytes, prepare, token_model)
+from mmrl.models.families import all_architectures, lora_targets
+from mmrl.plan_models import (Shapes, decode_peak, flow_model, frozen_parts, measure_forward, param_bytes, prepare,
+                              token_model)
 from mmrl.plan_measure import PHASES, flow_workload, measure, token_workload
 from mmrl.policy.base import reference_kind
 
@@ -112,6 +112,222 @@ def _without_cast_warnings(fn):
     return wrapped
 
 
+@dataclass
+class Rows:
+    """An iteration's rows and one rank's share (world data-parallel processes)."""
+    total: int    # rows sampled per iteration (prompts x group_size)
+    rank: int     # the most rows one rank samples (whole groups)
+    mean: float   # a rank's rows in one minibatch: on average,
+    share: int    # the count exceeded in < 1e-6 of minibatches (what the plan sizes for),
+    most: int     # and the most possible
+    chunk: int    # rows per forward without gradients (sampling, VAE decoding): train.sample_chunk, else all
+
+
+def _rows(t, world: int) -> Rows:
+    total, rank = t.prompts_per_iter * t.group_size, -(-t.prompts_per_iter // world) * t.group_size
+    mean, share, most = rank_share(total, rank, total // t.minibatches)
+    return Rows(total, rank, mean, share, most, sample_chunk(t) or rank)
+
+
+@dataclass
+class Parts:
+    """The trained model on meta (prepared as the policy prepares it) and what a rank holds around it, in bytes."""
+    model: torch.nn.Module
+    run: Callable[[], None]    # one training forward of `shapes.rows` rows on meta tensors
+    shapes: Shapes
+    stored: int                # rollout storage: what a rank keeps from sampling to training
+    workload: Callable         # () -> the plan_measure.Workload of one iteration
+    text: list = field(default_factory=list)  # frozen text encoders (on meta)
+    vae: torch.nn.Module | None = None
+    decode: int = 0            # the VAE decode transient of one chunk
+    chain: int = 0             # every step's latent and mean while sampling
+    cache: int = 0             # the prompt-embedding cache
+
+
+def _architecture(cfg, arch_name: str | None) -> dict | None:
+    """The published architecture `arch_name` (None: model.path's configs, which must exist)."""
+    if arch_name is None:
+        if not os.path.isdir(cfg.model.path):
+            raise MissingFile(f"model.path={cfg.model.path!r} does not exist: point it at a model folder, or plan "
+                              f"a published architecture with --arch ({', '.join(sorted(all_architectures()))})")
+        return None
+    if arch_name not in all_architectures():
+        raise ConfigError(f"unknown architecture {arch_name!r}; known: {sorted(all_architectures())}")
+    arch = all_architectures()[arch_name]
+    if arch["policy"] != policy_kind(cfg.model.policy):
+        raise ConfigError(f"--arch {arch_name} is a {arch['policy']} model but the config has "
+                          f"model.policy={cfg.model.policy}")
+    return arch
+
+
+def _flow_steps(s, forward: bool) -> tuple[int, int]:
+    """(trained actions per row, transformer calls of one sampled chain): SDE steps, or noise levels of the final
+    sample (forward-process losses); MixGRPO-Flash's strided ODE calls, the SDE window at its first start."""
+    from mmrl.sampling.flow_sde import strided_schedule
+
+    trained = s.forward_timesteps if forward else s.sde_window_size or s.num_steps - 1
+    kinds = ["sde" if i < min(s.sde_window_size or s.num_steps, s.num_steps - 1) else "ode" for i in range(s.num_steps)]
+    return trained, len(strided_schedule(torch.zeros(s.num_steps + 1), kinds, s.ode_stride)[1])
+
+
+def _flow_call(model, inputs, m: int, dtype: torch.dtype) -> Callable[[], None]:
+    """One training forward of m rows on meta tensors through the family's call."""
+    def run():
+        x = torch.empty(m, *inputs.latent_shape, device="meta", dtype=dtype)
+        enc = torch.empty(m, inputs.text_tokens, inputs.enc_dim, device="meta", dtype=dtype)
+        inputs.call(model, x, torch.full((m,), 0.5, device="meta", dtype=dtype), enc,
+                    torch.empty(m, inputs.pooled_dim, device="meta", dtype=dtype)).float().sum()
+    return run
+
+
+def _flow_parts(cfg, arch: dict | None, rows: Rows, cp: int, needs_reference: bool) -> Parts:
+    """A flow transformer, its frozen parts and a rank's rollout bytes, every model fact read from its family (LoRA
+    targets, the shapes it is fed, how its VAE decodes)."""
+    t, s, dtype = cfg.train, cfg.sampler, torch_dtype(cfg.model.dtype)
+    model, family, inputs = flow_model(cfg, arch)
+    if cp > 1 and not getattr(type(model), "_cp_plan", None):
+        raise ConfigError(f"--cp {cp}: diffusers has no context-parallel plan for {type(model).__name__}; use --cp 1")
+    prepare(model, cfg, lora_targets(family, cfg.model.lora.target_modules))
+    forward = build_objective(cfg.algo).actions == "forward"  # also pays one velocity forward per action sampling
+    trained_steps, sample_calls = _flow_steps(s, forward)
+    cfg_rows = 2 if s.cfg_scale != 1.0 else 1
+    transitions = t.micro_batch or rows.share * trained_steps
+    shapes = Shapes(transitions * cfg_rows, rows.total * (sample_calls + (s.forward_timesteps if forward else 0)) * cfg_rows,
+                    rows.total * trained_steps * cfg_rows * t.inner_epochs)
+    text, vae = frozen_parts(cfg, arch, family)
+    latent_bytes = 4 * math.prod(inputs.latent_shape)  # the SDE math is fp32
+    decode, out_bytes = 0, latent_bytes
+    if vae is not None:
+        decode, shape = decode_peak(vae, torch.empty(rows.chunk, *family.vae_latent(inputs.latent_shape),
+                                                     device="meta", dtype=dtype))
+        out_bytes = 4 * math.prod(shape[1:])
+    prompt_bytes = (inputs.text_tokens * inputs.enc_dim + inputs.pooled_dim) * dtype.itemsize
+    stored = rows.rank * (3 * trained_steps * latent_bytes + prompt_bytes + out_bytes)
+    chain = rows.rank * (2 * sample_calls + 1) * latent_bytes
+    cache = min(cfg.model.text_cache * prompt_bytes, 2**30)  # BoundedCache(text_cache, 1 GiB) of embeddings
+    passes = -(-rows.share * trained_steps // transitions) * t.grad_accum  # training forwards per optimizer step
+    workload = functools.partial(
+        flow_workload, cfg, model, inputs, text, vae, chunk=rows.chunk, m=transitions, cp=cp, kept=stored + cache,
+        chain=chain, passes=passes, needs_reference=needs_reference, forward_objective=forward,
+        vae_latent=family.vae_latent(inputs.latent_shape))
+    return Parts(model, _flow_call(model, inputs, shapes.rows, dtype), shapes, stored, workload, text, vae, decode,
+                 chain, cache)
+
+
+def _token_parts(cfg, arch: dict | None, rows: Rows, prompt_tokens: int, needs_reference: bool) -> Parts:
+    """A token policy's language model (the vision tower counted, never run: token ids stand in for the media)."""
+    from mmrl.policy.vlm import DEFAULT_LORA_TARGETS
+
+    t, s = cfg.train, cfg.sampler
+    model = token_model(cfg, arch)
+    prepare(model, cfg, list(cfg.model.lora.target_modules) or DEFAULT_LORA_TARGETS)
+    seq, m = prompt_tokens + s.max_new_tokens, t.micro_batch or rows.share
+    base = model.model if hasattr(model, "model") else model
+    lm = getattr(base, "language_model", base)
+
+    def run():
+        ids = torch.zeros(m, seq, dtype=torch.long, device="meta")
+        pos = torch.arange(seq, device="meta").expand(3 if lm is not base else 1, m, seq)
+        h = lm(input_ids=ids, position_ids=pos if lm is not base else pos[0], use_cache=False).last_hidden_state
+        model.lm_head(h[:, -s.max_new_tokens:]).float().logsumexp(-1).sum()  # the completion's log-probs
+
+    stored = rows.rank * (8 * seq + 4 * s.max_new_tokens)  # int64 token ids, fp32 old log-probs
+    workload = functools.partial(token_workload, cfg, model, chunk=rows.chunk, m=m, seq=seq, kept=stored,
+                                 needs_reference=needs_reference)
+    return Parts(model, run, Shapes(m, rows.total, rows.total * t.inner_epochs), stored, workload)
+
+
+def _state(cfg, model: torch.nn.Module, shard: int) -> dict[str, float]:
+    """Bytes per GPU of the weights, gradients, AdamW state, EMA and KL reference copy (`shard` GPUs share them)."""
+    experts = getattr(model, "experts", 1)
+    n_params = experts * sum(p.numel() for p in model.parameters())
+    trainable = experts * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = experts * sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    ref = n_params * torch_dtype(cfg.model.dtype).itemsize \
+        if (reference_kind(cfg) == "auto" and not cfg.model.lora.enabled) else 0
+    if policy_kind(cfg.model.policy) == "flow" and not cfg.model.offload:  # FlowPolicy.parallelize shards it
+        ref /= shard
+    return {"weights_frozen": frozen / shard, "weights_trained_fp32": 4 * trainable / shard,
+            "gradients_fp32": 4 * trainable / shard, "adamw_state_fp32": 8 * trainable / shard,
+            "ema_fp32": 4 * trainable / shard if cfg.train.ema_decay > 0 else 0, "kl_reference_copy": ref}
+
+
+def _gathered(model: torch.nn.Module, shard: int, mixed_precision: str) -> int:
+    """FSDP2 all-gathers one block's weights for its forward and prefetches the next: two blocks, unsharded."""
+    if shard == 1:
+        return 0
+    per_param = lambda p: 2 if (p.requires_grad and mixed_precision == "bf16") else p.element_size()  # noqa: E731
+    return 2 * max((sum(p.numel() * per_param(p) for p in b.parameters()) for b in transformer_blocks(model)), default=0)
+
+
+def _by_hand(cfg, parts: Parts, rows: Rows, world: int, cp: int) -> dict:
+    """The plan's figures by hand (sizes in GiB, counts, TFLOP; see the module docstring)."""
+    t, model, shapes = cfg.train, parts.model, parts.shapes
+    meas = measure_forward(model, parts.run)
+    shard = world * cp if t.parallel == "fsdp" else 1
+    state, gathered = _state(cfg, model, shard), _gathered(model, shard, t.mixed_precision)
+    experts = getattr(model, "experts", 1)
+    # the backward of a block allocates gradients of about its saved size while those are still held: the peak
+    # is the saved tensors plus the largest block's (with checkpointing: the blocks' inputs, the largest block
+    # recomputed, and its gradients)
+    act = meas["saved"] + meas["largest_block"]
+    act_ckpt = meas["block_inputs"] + 2 * meas["largest_block"] + meas["outside_blocks"]
+    text_bytes = sum(param_bytes(e) for e in parts.text)
+    vae_bytes = param_bytes(parts.vae) if parts.vae is not None else 0
+    resident = sum(v for k, v in state.items() if k != "gradients_fp32") + parts.cache + gathered + parts.stored
+    peak_sampling = resident + text_bytes + vae_bytes + parts.chain + parts.decode
+    peak_training = resident + state["gradients_fp32"] + (act_ckpt if t.gradient_checkpointing else act) / cp \
+        + (0 if cfg.model.offload else text_bytes + vae_bytes)
+    fwd_row, train_factor = meas["flops"] / shapes.rows, 4 if t.gradient_checkpointing else 3
+    frac = rows.rank / rows.total  # of an iteration's rows, on one rank
+    return {
+        "class": type(model).__name__, "policy": cfg.model.policy, "dtype": cfg.model.dtype,
+        "lora": cfg.model.lora.enabled, "experts": experts, "world": world, "cp": cp, "gpus": world * cp,
+        "parallel": t.parallel, "sharded_over": shard,
+        "params": experts * sum(p.numel() for p in model.parameters()),
+        "trainable_params": experts * sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "text_encoder_params": sum(p.numel() for e in parts.text for p in e.parameters()),
+        "vae_params": sum(p.numel() for p in parts.vae.parameters()) if parts.vae is not None else 0,
+        "micro_batch_rows": shapes.rows, "rows_sampled_per_iter": shapes.rows_sampled,
+        "rows_trained_per_iter": shapes.rows_trained, "rows_per_rank": rows.rank,
+        "groups_per_rank": rows.rank // t.group_size, "rank_rows_per_minibatch_mean": rows.mean,
+        "rank_rows_per_minibatch_planned": rows.share, "rank_rows_per_minibatch_max": rows.most,
+        "rows_sampled_per_rank_per_iter": round(shapes.rows_sampled * frac),
+        "rows_trained_per_rank_per_iter": round(shapes.rows_trained * frac),
+        **{f"{k}_gib": v / GiB for k, v in state.items()},
+        "fsdp_gathered_blocks_gib": gathered / GiB,
+        "text_encoders_gib": text_bytes / GiB, "text_cache_gib": parts.cache / GiB, "vae_gib": vae_bytes / GiB,
+        "rollout_storage_gib": parts.stored / GiB, "sampling_chain_gib": parts.chain / GiB,
+        "vae_decode_rows": rows.chunk if parts.vae is not None else 0, "vae_decode_transient_gib": parts.decode / GiB,
+        "activations_per_micro_batch_gib": act / GiB / cp,
+        "activations_per_micro_batch_checkpointed_gib": act_ckpt / GiB / cp,
+        "peak_sampling_gib": peak_sampling / GiB, "peak_training_gib": peak_training / GiB,
+        "total_gib": max(peak_sampling, peak_training) / GiB,
+        "forward_tflop_per_row": fwd_row / 1e12,
+        "tflop_per_iter_sampling": fwd_row * shapes.rows_sampled / 1e12,
+        "tflop_per_iter_training": fwd_row * shapes.rows_trained * train_factor / 1e12,
+        "tflop_per_gpu_per_iter": fwd_row * (shapes.rows_sampled + shapes.rows_trained * train_factor) * frac / cp / 1e12,
+    }
+
+
+def _measured(cfg, parts: Parts, out: dict, device: str) -> dict:
+    """`out` with the per-phase peaks of one iteration on fake tensors (mmrl/plan_measure.py), or, when that
+    measurement fails, with the failure named (the by-hand figures still stand)."""
+    t, model = cfg.train, parts.model
+    if t.gradient_checkpointing:
+        model.gradient_checkpointing_enable() if hasattr(model, "gradient_checkpointing_enable") \
+            else model.enable_gradient_checkpointing()
+    try:
+        peaks = measure(parts.workload(), out["sharded_over"], t.parallel, t.mixed_precision, foreach=device == "cuda")
+    except Exception as e:  # noqa: BLE001 - the by-hand figures still stand; the failure is named, not hidden
+        log.warning("the measured plan failed (%s: %s): only the by-hand figures below; please report it",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "", exc_info=log.isEnabledFor(10))
+        return {**out, "measure_error": f"{type(e).__name__}: {e}"}
+    return {**out, **{f"{k}_gib": peaks[k] / GiB for k in PHASES}, "peak_gib": max(peaks[k] for k in PHASES) / GiB,
+            **{f"{k}_added_gib": peaks[k + "_added"] / GiB for k in PHASES},
+            "total_gib": max(peaks[k] for k in PHASES) / GiB}
+
+
 @_without_cast_warnings
 def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int = 1, cp: int = 1,
          measured: bool = False, device: str = "cuda") -> dict:
@@ -130,166 +346,15 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
         sizes in bytes / 2**30 (keys ending in _gib), parameter and row counts, TFLOP per iteration.
     """
     _check_layout(cfg, world, cp, folder=arch_name is None)
-    arch = None
-    if arch_name:
-        if arch_name not in all_architectures():
-            raise ConfigError(f"unknown architecture {arch_name!r}; known: {sorted(all_architectures())}")
-        arch = all_architectures()[arch_name]
-        if arch["policy"] != policy_kind(cfg.model.policy):
-            raise ConfigError(f"--arch {arch_name} is a {arch['policy']} model but the config has "
-                              f"model.policy={cfg.model.policy}")
-    elif not os.path.isdir(cfg.model.path):
-        raise MissingFile(f"model.path={cfg.model.path!r} does not exist: point it at a model folder, or plan "
-                          f"a published architecture with --arch ({', '.join(sorted(all_architectures()))})")
-    t, s = cfg.train, cfg.sampler
-    n_rows = t.prompts_per_iter * t.group_size
-    rank_rows = -(-t.prompts_per_iter // world) * t.group_size   # the most rows one rank samples
-    mean_rows, share, share_max = rank_share(n_rows, rank_rows, n_rows // t.minibatches)
-    chunk = sample_chunk(t)  # rows per forward without gradients (sampling, VAE decoding)
-    dtype = _DTYPES[cfg.model.dtype]
-    text, vae, decode, out_bytes, stored, chain, cache = [], None, 0, 0, 0, 0, 0
-    if policy_kind(cfg.model.policy) is None:
+    arch = _architecture(cfg, arch_name)
+    kind = policy_kind(cfg.model.policy)
+    if kind is None:
         raise ConfigError(f"mmrl plan knows the built-in policies (flow, token), not model.policy={cfg.model.policy}")
-    needs_reference = build_objective(cfg.algo).needs_reference
-    if policy_kind(cfg.model.policy) == "flow":
-        from mmrl.sampling.flow_sde import strided_schedule
-
-        model, family, inputs = flow_model(cfg, arch)
-        call, latent, text_tokens, enc_dim, pooled_dim = inputs[:5]
-        name = type(model).__name__
-        if cp > 1 and not getattr(type(model), "_cp_plan", None):
-            raise ConfigError(f"--cp {cp}: diffusers has no context-parallel plan for {name}; use --cp 1")
-        targets = list(inputs.lora_targets or family.lora_targets)
-        prepare(model, cfg, targets)
-        cfg_rows = 2 if s.cfg_scale != 1.0 else 1
-        # trained actions per row: SDE steps, or noise levels of the final sample (forward-process losses, which
-        # also pay one velocity forward per action when sampling)
-        forward = build_objective(cfg.algo).actions == "forward"
-        trained_steps = s.forward_timesteps if forward else s.sde_window_size or s.num_steps - 1
-        kinds = ["sde" if i < min(s.sde_window_size or s.num_steps, s.num_steps - 1) else "ode"
-                 for i in range(s.num_steps)]  # MixGRPO-Flash's strided ODE, the window at its first start
-        sample_calls = len(strided_schedule(torch.zeros(s.num_steps + 1), kinds, s.ode_stride)[1])
-        transitions = t.micro_batch or share * trained_steps
-        m = transitions * cfg_rows
-        shapes = Shapes(m, n_rows * (sample_calls + (s.forward_timesteps if forward else 0)) * cfg_rows,
-                        n_rows * trained_steps * cfg_rows * t.inner_epochs)
-
-        def run():
-            x = torch.empty(m, *latent, device="meta", dtype=dtype)
-            enc = torch.empty(m, text_tokens, enc_dim, device="meta", dtype=dtype)
-            call(model, x, torch.full((m,), 0.5, device="meta", dtype=dtype), enc,
-                 torch.empty(m, pooled_dim, device="meta", dtype=dtype)).float().sum()
-
-        text, vae = frozen_parts(cfg, arch)
-        latent_bytes = 4 * math.prod(latent)  # the SDE math is fp32
-        rows = chunk or rank_rows
-        if vae is not None:
-            video = "Wan" in type(vae).__name__ or "QwenImage" in type(vae).__name__
-            z = torch.empty(rows, *latent[:1], *(() if len(latent) == 4 or not video else (1,)), *latent[1:],
-                            device="meta", dtype=dtype)
-            decode, shape = decode_peak(vae, z)
-            out_bytes = 4 * math.prod(shape[1:])
-        else:
-            out_bytes = latent_bytes
-        prompt_bytes = (text_tokens * enc_dim + pooled_dim) * dtype.itemsize
-        stored = rank_rows * (3 * trained_steps * latent_bytes + prompt_bytes + out_bytes)
-        chain = rank_rows * (2 * sample_calls + 1) * latent_bytes
-        cache = min(cfg.model.text_cache * prompt_bytes, 2**30)  # BoundedCache(text_cache, 1 GiB) of embeddings
-        passes = -(-share * trained_steps // transitions) * t.grad_accum  # training forwards per optimizer step
-        workload = lambda: flow_workload(  # noqa: E731
-            cfg, model, inputs, text, vae, chunk=chunk or rank_rows, m=transitions, cp=cp, kept=stored + cache,
-            chain=chain, passes=passes, needs_reference=needs_reference, forward_objective=forward)
-    else:
-        from mmrl.policy.vlm import DEFAULT_LORA_TARGETS
-
-        model = token_model(cfg, arch)
-        prepare(model, cfg, DEFAULT_LORA_TARGETS)
-        seq = prompt_tokens + s.max_new_tokens
-        m = t.micro_batch or share
-        shapes = Shapes(m, n_rows, n_rows * t.inner_epochs)
-        base = model.model if hasattr(model, "model") else model
-        lm = getattr(base, "language_model", base)
-        stored = rank_rows * (8 * seq + 4 * s.max_new_tokens)  # int64 token ids, fp32 old log-probs
-        workload = lambda: token_workload(  # noqa: E731
-            cfg, model, chunk=chunk or rank_rows, m=m, seq=seq, kept=stored, needs_reference=needs_reference)
-
-        def run():
-            ids = torch.zeros(m, seq, dtype=torch.long, device="meta")
-            pos = torch.arange(seq, device="meta").expand(3 if lm is not base else 1, m, seq)
-            h = lm(input_ids=ids, position_ids=pos if lm is not base else pos[0], use_cache=False).last_hidden_state
-            model.lm_head(h[:, -s.max_new_tokens:]).float().logsumexp(-1).sum()  # the completion's log-probs
-
-    meas = measure_forward(model, run)
-    experts = getattr(model, "experts", 1)
-    n_params = experts * sum(p.numel() for p in model.parameters())
-    trainable = experts * sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen_bytes = experts * sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    ref = n_params * dtype.itemsize if (reference_kind(cfg) == "auto" and not cfg.model.lora.enabled) else 0
-    shard = world * cp if t.parallel == "fsdp" else 1
-    if policy_kind(cfg.model.policy) == "flow" and not cfg.model.offload:  # FlowPolicy.parallelize shards it
-        ref /= shard
-    state = {"weights_frozen": frozen_bytes / shard, "weights_trained_fp32": 4 * trainable / shard,
-             "gradients_fp32": 4 * trainable / shard, "adamw_state_fp32": 8 * trainable / shard,
-             "ema_fp32": 4 * trainable / shard if t.ema_decay > 0 else 0, "kl_reference_copy": ref}
-    # FSDP2 all-gathers one block's weights for its forward and prefetches the next: two blocks, unsharded
-    per_param = lambda p: 2 if (p.requires_grad and t.mixed_precision == "bf16") else p.element_size()  # noqa: E731
-    gathered = 2 * max((sum(p.numel() * per_param(p) for p in b.parameters()) for b in transformer_blocks(model)), default=0) \
-        if shard > 1 else 0
-    # the backward of a block allocates gradients of about its saved size while those are still held: the peak
-    # is the saved tensors plus the largest block's (with checkpointing: the blocks' inputs, the largest block
-    # recomputed, and its gradients)
-    act = meas["saved"] + meas["largest_block"]
-    act_ckpt = meas["block_inputs"] + 2 * meas["largest_block"] + meas["outside_blocks"]
-    text_bytes, vae_bytes = sum(param_bytes(e) for e in text), param_bytes(vae) if vae is not None else 0
-    resident = sum(v for k, v in state.items() if k != "gradients_fp32") + cache + gathered + stored
-    peak_sampling = resident + text_bytes + vae_bytes + chain + decode
-    peak_training = resident + state["gradients_fp32"] + (act_ckpt if t.gradient_checkpointing else act) / cp \
-        + (0 if cfg.model.offload else text_bytes + vae_bytes)
-    fwd_row = meas["flops"] / m
-    train_factor = 4 if t.gradient_checkpointing else 3
-    frac = rank_rows / n_rows  # of an iteration's rows, on one rank
-    out = {
-        "model": arch_name or cfg.model.path, "class": type(model).__name__, "policy": cfg.model.policy,
-        "dtype": cfg.model.dtype, "lora": cfg.model.lora.enabled, "experts": experts,
-        "world": world, "cp": cp, "gpus": world * cp, "parallel": t.parallel, "sharded_over": shard,
-        "params": n_params, "trainable_params": trainable,
-        "text_encoder_params": sum(p.numel() for e in text for p in e.parameters()),
-        "vae_params": sum(p.numel() for p in vae.parameters()) if vae is not None else 0,
-        "micro_batch_rows": m, "rows_sampled_per_iter": shapes.rows_sampled, "rows_trained_per_iter": shapes.rows_trained,
-        "rows_per_rank": rank_rows, "groups_per_rank": rank_rows // t.group_size,
-        "rank_rows_per_minibatch_mean": mean_rows, "rank_rows_per_minibatch_planned": share,
-        "rank_rows_per_minibatch_max": share_max,
-        "rows_sampled_per_rank_per_iter": round(shapes.rows_sampled * frac),
-        "rows_trained_per_rank_per_iter": round(shapes.rows_trained * frac),
-        **{f"{k}_gib": v / GiB for k, v in state.items()},
-        "fsdp_gathered_blocks_gib": gathered / GiB,
-        "text_encoders_gib": text_bytes / GiB, "text_cache_gib": cache / GiB, "vae_gib": vae_bytes / GiB,
-        "rollout_storage_gib": stored / GiB, "sampling_chain_gib": chain / GiB,
-        "vae_decode_rows": (chunk or rank_rows) if vae is not None else 0, "vae_decode_transient_gib": decode / GiB,
-        "activations_per_micro_batch_gib": act / GiB / cp,
-        "activations_per_micro_batch_checkpointed_gib": act_ckpt / GiB / cp,
-        "peak_sampling_gib": peak_sampling / GiB, "peak_training_gib": peak_training / GiB,
-        "total_gib": max(peak_sampling, peak_training) / GiB,
-        "forward_tflop_per_row": fwd_row / 1e12,
-        "tflop_per_iter_sampling": fwd_row * shapes.rows_sampled / 1e12,
-        "tflop_per_iter_training": fwd_row * shapes.rows_trained * train_factor / 1e12,
-        "tflop_per_gpu_per_iter": fwd_row * (shapes.rows_sampled + shapes.rows_trained * train_factor) * frac / cp / 1e12,
-    }
-    if measured:
-        if t.gradient_checkpointing:
-            model.gradient_checkpointing_enable() if hasattr(model, "gradient_checkpointing_enable") \
-                else model.enable_gradient_checkpointing()
-        try:
-            peaks = measure(workload(), shard, t.parallel, t.mixed_precision, foreach=device == "cuda")
-        except Exception as e:  # noqa: BLE001 - the by-hand figures still stand; the failure is named, not hidden
-            log.warning("the measured plan failed (%s: %s): only the by-hand figures below; please report it",
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "", exc_info=log.isEnabledFor(10))
-            out["measure_error"] = f"{type(e).__name__}: {e}"
-            return out
-        out.update({f"{k}_gib": peaks[k] / GiB for k in PHASES}, peak_gib=max(peaks[k] for k in PHASES) / GiB,
-                   **{f"{k}_added_gib": peaks[k + "_added"] / GiB for k in PHASES})
-        out["total_gib"] = out["peak_gib"]
-    return out
+    rows, needs_reference = _rows(cfg.train, world), build_objective(cfg.algo).needs_reference
+    parts = _flow_parts(cfg, arch, rows, cp, needs_reference) if kind == "flow" else \
+        _token_parts(cfg, arch, rows, prompt_tokens, needs_reference)
+    out = {"model": arch_name or cfg.model.path, **_by_hand(cfg, parts, rows, world, cp)}
+    return _measured(cfg, parts, out, device) if measured else out
 
 
 def format_plan(p: dict) -> str:

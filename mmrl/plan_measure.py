@@ -253,16 +253,18 @@ def _upcast_copy(model: torch.nn.Module, reference: bool) -> list[torch.nn.Modul
 
 
 def flow_workload(cfg, model, inputs, text, vae, *, chunk: int, m: int, cp: int, kept: int, chain: int,
-                  passes: int, needs_reference: bool, forward_objective: bool) -> Workload:
+                  passes: int, needs_reference: bool, forward_objective: bool,
+                  vae_latent: tuple[int, ...]) -> Workload:
     """One rank's flow iteration: `model` (prepared on meta; `model.experts` of them), its family's PlanInputs,
-    frozen text encoders and VAE; `chunk` rows per no-grad forward, `m` transitions per training forward."""
+    frozen text encoders and VAE; `chunk` rows per no-grad forward, `m` transitions per training forward;
+    `vae_latent`: one latent as the VAE decodes it (the family's `vae_latent`)."""
     import copy
 
+    from mmrl.devices import torch_dtype
     from mmrl.models.flow_model import FlowModel
-    from mmrl.plan_models import _DTYPES
     from mmrl.sampling.flow_sde import gaussian_log_prob, step_mean_std
 
-    s, dtype = cfg.sampler, _DTYPES[cfg.model.dtype]
+    s, dtype = cfg.sampler, torch_dtype(cfg.model.dtype)
     trained = [model] + [copy.deepcopy(model) for _ in range(getattr(model, "experts", 1) - 1)]
     full_ref = needs_reference and not cfg.model.lora.enabled
     reference = [r for tr in trained for r in _upcast_copy(tr, full_ref)]
@@ -289,9 +291,7 @@ def flow_workload(cfg, model, inputs, text, vae, *, chunk: int, m: int, cp: int,
         return -gaussian_log_prob(x, mean, std, s.logprob_reduce).mean()
 
     def decode():
-        video = "Wan" in type(vae).__name__ or "QwenImage" in type(vae).__name__
-        z = torch.randn(chunk, *latent[:1], *(() if len(latent) == 4 or not video else (1,)), *latent[1:], dtype=dtype)
-        vae.decode(z)
+        vae.decode(torch.randn(chunk, *vae_latent, dtype=dtype))
 
     return Workload(trained, reference, [*text, *([vae] if vae is not None else [])],
                     lambda: velocity(trained, chunk, cp_cut(tuple(latent), cp)), loss,

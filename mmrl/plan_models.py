@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mmrl.devices import torch_dtype
 from mmrl.distributed import transformer_blocks
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -105,10 +104,11 @@ def measure_forward(model: torch.nn.Module, run) -> dict:
 
 # ------------------------------------------------------------------------------------------------ builders
 def flow_model(cfg, arch: dict | None):
-    """(transformer on meta, its family's PlanInputs) from model.path's configs or a published architecture."""
+    """(transformer on meta, its family, the family's PlanInputs) from model.path's configs (the family the loader
+    would pick) or a published architecture."""
     import diffusers
 
-    from mmrl.models.families import LoadOptions, family_for
+    from mmrl.models.families import LoadOptions, family_of
 
     m = cfg.model
     options = LoadOptions(sample_size=m.sample_size, num_frames=m.num_frames, guidance=m.guidance,
@@ -116,7 +116,7 @@ def flow_model(cfg, arch: dict | None):
     if arch is None:
         tcfg = json.load(open(os.path.join(m.path, "transformer", "config.json")))
         pipe = json.load(open(os.path.join(m.path, "model_index.json")))
-        family = family_for(pipe["_class_name"], m.family)
+        family = family_of(pipe, m.family, where=os.path.join(m.path, "model_index.json"))
         cls, config, folder = tcfg["_class_name"], {k: v for k, v in tcfg.items() if not k.startswith("_")}, m.path
         experts = 2 if (pipe.get("transformer_2") or [None])[0] and pipe.get("boundary_ratio") else 1
     else:
@@ -141,41 +141,40 @@ def token_model(cfg, arch: dict | None):
         return auto.from_config(config)
 
 
-def prepare(module: torch.nn.Module, cfg, targets) -> None:
-    """dtype, LoRA and trainable flags as the policy sets them. A LoRA adapter computes in fp32 (as in the
-    policy); a fully fine-tuned model computes at model.dtype (bf16 autocast over its fp32 master weights, which
-    the plan counts separately)."""
+def prepare(module: torch.nn.Module, cfg, targets: list[str] | str) -> None:
+    """dtype, LoRA on `targets` (what the policy adapts: peft suffixes, or a regex) and trainable flags as the policy
+    sets them. A LoRA adapter computes in fp32 (as in the policy); a fully fine-tuned model computes at model.dtype
+    (bf16 autocast over its fp32 master weights, which the plan counts separately)."""
     from mmrl.policy.base import upcast_trainable
 
-    module.to(_DTYPES[cfg.model.dtype])
+    module.to(torch_dtype(cfg.model.dtype))
     if cfg.model.lora.enabled:
         from peft import LoraConfig, inject_adapter_in_model
 
         module.requires_grad_(False)
         inject_adapter_in_model(LoraConfig(r=cfg.model.lora.rank, lora_alpha=cfg.model.lora.alpha,
-                                           target_modules=list(cfg.model.lora.target_modules) or targets), module)
+                                           target_modules=targets), module)
         upcast_trainable(module)
     else:
         module.requires_grad_(True)
 
 
-def frozen_parts(cfg, arch: dict | None) -> tuple[list[torch.nn.Module], torch.nn.Module | None]:
-    """(text encoders, VAE or None) on the meta device at the dtype the pipeline loads them with."""
+def frozen_parts(cfg, arch: dict | None, family) -> tuple[list[torch.nn.Module], torch.nn.Module | None]:
+    """(text encoders, VAE or None) of a model of `family` on the meta device at the dtype the pipeline loads them
+    with: a published architecture's (its entry's, else its family's), else those model.path's folders name."""
     import diffusers
     import transformers
 
-    from mmrl.models.families import family_for
-
-    dtype = _DTYPES[cfg.model.dtype]
+    dtype = torch_dtype(cfg.model.dtype)
     with torch.device("meta"):
         if arch is not None:
-            encoders, (vae_cls, vae_cfg) = arch.get("frozen_parts") or arch["family"].frozen_parts
+            encoders, (vae_cls, vae_cfg) = arch.get("frozen_parts") or family.frozen_parts
             text = [getattr(transformers, c)(getattr(transformers, k)(**conf)) for c, k, conf in encoders]
             vae = getattr(diffusers, vae_cls).from_config(vae_cfg)
         else:
             path = cfg.model.path
             pipe = json.load(open(os.path.join(path, "model_index.json")))
-            if not family_for(pipe["_class_name"], cfg.model.family).diffusers:  # mmrl's pixel models: CLIP in fp32
+            if not family.diffusers:  # mmrl's pixel models: CLIP in fp32
                 conf = transformers.AutoConfig.from_pretrained(os.path.join(path, "text_encoder"))
                 return [transformers.CLIPTextModelWithProjection(conf)], None
             text = [getattr(transformers, pipe[n][1])(transformers.AutoConfig.from_pretrained(os.path.join(path, n)))

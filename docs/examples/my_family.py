@@ -9,7 +9,8 @@
 A family says how a folder becomes a FlowModel (`load`: text encoding, the transformer call, the schedule, the VAE
 decode), its LoRA targets and the diffusers pipeline whose LoRA loader reads them, what `mmrl plan` feeds the
 transformer, and optionally published sizes and a tiny builder (mmrl/models/families/__init__.py, `Family`). This one
-reuses the built-in SD3 family's pieces and changes what it loads.
+reuses the built-in SD3 family's pieces and changes what it loads; the loader stamps it on the model it returns
+(`model.family`), and training and `mmrl plan` read its LoRA targets from there.
 """
 
 import dataclasses
@@ -35,8 +36,7 @@ def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
 
     size = options.sample_size or pipe.default_sample_size
     return FlowModel(pipe.transformer, encode, vae_decoder(pipe.vae), (pipe.transformer.config.in_channels, size, size),
-                     (pipe.text_encoder, pipe.text_encoder_2, pipe.vae), family=FAMILY, call=sd3_call,
-                     lora_targets=FAMILY.lora_targets)
+                     (pipe.text_encoder, pipe.text_encoder_2, pipe.vae), call=sd3_call)
 
 
 # mmrl plan: the transformer sees the same shapes; the frozen parts are the two CLIPs and the VAE

@@ -10,6 +10,8 @@ full fine-tuning, trees, micro-batches and checkpoints then come for free. The n
 `ModelMixin` so that checkpoints save and load with `save_pretrained` / `from_pretrained`.
 """
 
+import dataclasses
+
 import torch
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
@@ -57,6 +59,9 @@ def build(cfg):
     model = FlowModel(
         transformer=TinyVelocity(), encode_prompts=text, decode=lambda x: x.clamp(-1, 1),
         latent_shape=(3, SIZE, SIZE), text_modules=(text,),
-        call=lambda net, x, sigma, enc, pooled: net(x, sigma, pooled), lora_targets=("film", "out"))
-    return FlowPolicy(model, cfg.sampler, cfg.model.lora, reference_kind(cfg), cfg.model.path, cfg.log.progress,
-                      cfg.tree, micro_batch=cfg.train.micro_batch, text_cache=cfg.model.text_cache)
+        call=lambda net, x, sigma, enc, pooled: net(x, sigma, pooled))
+    # no model family names this network's LoRA targets: the builder does, unless the config names others
+    lora = dataclasses.replace(cfg.model.lora, target_modules=cfg.model.lora.target_modules or ["film", "out"])
+    return FlowPolicy(model=model, sampler_cfg=cfg.sampler, lora_cfg=lora, reference=reference_kind(cfg),
+                      model_path=cfg.model.path, progress=cfg.log.progress, tree_cfg=cfg.tree,
+                      micro_batch=cfg.train.micro_batch, text_cache=cfg.model.text_cache)

@@ -24,9 +24,6 @@ import torch
 from mmrl.models.families.common import static_schedule
 
 
-# LoRA targets of SD3-family transformers (peft matches module-name suffixes): the joint attention projections
-SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 EncodeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (texts[, images]) -> (enc [B, L, D], pooled [B, P])
 
 
@@ -45,10 +42,11 @@ class FlowModel:
     decode: Callable[[torch.Tensor], torch.Tensor]
     latent_shape: tuple[int, ...]                # (C, H, W) or (C, F, H, W) of what the transformer denoises
     text_modules: tuple[torch.nn.Module, ...] = ()  # text encoders (frozen during RL)
-    family: Any = None                           # the Family it was loaded by (mmrl/models/families)
+    family: Any = None                           # the Family that loaded it (stamped by load_flow_model; a builder's
+                                                 # model may name its own): its LoRA targets and LoRA pipeline are
+                                                 # read there, by training and by `mmrl plan` alike
     prediction: str = "velocity"                 # what the transformer outputs: "velocity" | "sample"
     call: Callable = sd3_call                    # (transformer, x, sigma, enc, pooled) -> output like x
-    lora_targets: tuple[str, ...] = SD3_LORA_TARGETS
     schedule: Callable[[int, float], torch.Tensor] = static_schedule  # (steps, sampler.shift) -> sigmas [S + 1]
     transformer_2: torch.nn.Module | None = None  # Wan2.2 A14B: the low-noise expert, used below `boundary`
     boundary: float | None = None                # sigma at which transformer_2 takes over (boundary_ratio)

@@ -1,5 +1,6 @@
 """`load_flow_model(path)`: a FlowModel from a generator folder, through its model family (mmrl/models/families/:
-the folder's model_index.json `_class_name` picks it, or `family` names one, a user's own by import path).
+the folder's model_index.json `_class_name` picks it, or `family` names one, a user's own by import path), stamped
+with that family (`model.family`: its LoRA targets and LoRA pipeline are read there and nowhere else).
 
 Sharded loading (FSDP2, several processes): `load_flow_model(..., meta=("transformer",))` builds the trained
 transformers on the meta device (parameters without storage; buffers real, they are small and some are not in the
@@ -16,7 +17,7 @@ import os
 import torch
 
 from mmrl.errors import MissingFile
-from mmrl.models.families import LoadOptions, families, family_for
+from mmrl.models.families import LoadOptions, families, family_of
 from mmrl.models.families.pixel import PARTS as PIXEL_PARTS
 from mmrl.models.flow_model import FlowModel
 from mmrl.models.pixel_t2i import PIPELINE_CLASS
@@ -46,15 +47,17 @@ def load_flow_model(path: str, dtype: torch.dtype = torch.float32, device: str =
     """Load a generator folder through its family. `sample_size` overrides the latent size (H = W), `num_frames`
     a video's length, `guidance` the guidance-embedding scale, `text_max_length` the prompt tokens; `family` a
     registered family name or package.module:NAME (else the folder's model_index.json class picks it); `meta`
-    the components (trained transformers) built on the meta device, their weights left for `load_into_shards`."""
+    the components (trained transformers) built on the meta device, their weights left for `load_into_shards`.
+    The model's `family` is the family that loaded it."""
     index = read_index(path)
-    fam = family_for(index.get("_class_name"), family, where=os.path.join(path, "model_index.json"))
+    fam = family_of(index, family, where=os.path.join(path, "model_index.json"))
     missing = missing_parts(path, index)
     if missing:  # else from_pretrained would look for them on the hub ("couldn't connect to huggingface.co")
         raise MissingFile(f"{path!r}: model_index.json names {missing}, but the folder has no "
                           f"{', '.join(m + '/' for m in missing)}; copy the whole folder")
     model = fam.load(path, index, LoadOptions(dtype, device, sample_size, num_frames, guidance, text_max_length,
                                               tuple(meta)))
+    model.family = fam
     for m in model.text_modules:
         m.requires_grad_(False).eval()
     for name in ("transformer", "transformer_2"):

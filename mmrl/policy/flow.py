@@ -25,6 +25,7 @@ from mmrl.data import PolicyOutput, Rollout, condition_images, group_ids
 from mmrl.errors import ConfigError
 from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, save_lora_adapter, upcast_trainable,
                               write_policy_meta)
+from mmrl.models.families import lora_targets
 from mmrl.models.flow_model import EXPERTS, FlowModel
 from mmrl.models.shard_load import copy_shards, load_into_shards
 from mmrl.policy.flow_checkpoint import (  # noqa: F401  (load_policy_checkpoint: the checkpoint loader's home is there)
@@ -37,12 +38,16 @@ log = logging.getLogger(__name__)
 
 
 class FlowPolicy(PolicyDefaults):
-    def __init__(self, model: FlowModel, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = "",
+    def __init__(self, *, model: FlowModel, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = "",
                  progress: bool = False, tree_cfg=None, model_options: dict | None = None, micro_batch: int = 0,
                  text_cache: int = 1024, offload: bool = False, objective: str = "transitions",
                  device: torch.device | None = None):
-        """device: where the trained transformers go; needed when they were built on the meta device (loaded into
-        shards by `parallelize`), else read from their parameters."""
+        """Keyword-only (mmrl/policy/flow_build.py fills them from a config). model: its family names the LoRA
+        targets and pipeline; sampler_cfg, lora_cfg, tree_cfg: the config's sections; reference: reference_kind's
+        "auto" | "none"; model_path, model_options: the base and how it loaded (kept in checkpoints); micro_batch:
+        rows per no-grad forward (0 = all); offload: frozen parts wait on the CPU; objective: "transitions" (SDE
+        steps are the actions) | "forward" (noise levels of x0, docs/algorithms.md §10); device: where the trained
+        transformers go, needed when built on the meta device (loaded into shards by `parallelize`)."""
         from mmrl.config import TreeConfig
 
         self.model, self.cfg, self.model_path, self.progress = model, sampler_cfg, model_path, progress
@@ -59,7 +64,7 @@ class FlowPolicy(PolicyDefaults):
             from peft import LoraConfig
 
             self.lora_config = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, init_lora_weights="gaussian",
-                                          target_modules=list(lora_cfg.target_modules or model.lora_targets))
+                                          target_modules=lora_targets(model.family, lora_cfg.target_modules))
         # {expert name: frozen copy} for a KL reference under full fine-tuning; LoRA disables its adapters instead
         self._ref_copy = {} if reference == "auto" and not self.lora else None
         for name, tr in self.experts():  # Wan2.2: each expert trains on the steps of its noise range

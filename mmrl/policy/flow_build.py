@@ -7,10 +7,9 @@ import json
 import logging
 import os
 
-import torch
-
 from mmrl.algorithms.objective import build_objective
 from mmrl.config import sample_chunk
+from mmrl.devices import indexed, resolve_device, torch_dtype
 from mmrl.errors import ConfigError
 from mmrl.models.flow_model import EXPERTS
 from mmrl.models.pipelines import load_flow_model
@@ -23,8 +22,7 @@ log = logging.getLogger(__name__)
 
 def build_flow_policy(cfg, dist=None) -> FlowPolicy:
     """The flow policy of `cfg`; `dist` (several processes): see `shard_on_load`."""
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
-    device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype, device = torch_dtype(cfg.model.dtype), resolve_device(cfg.model.device)
     path = resolve_model_path(cfg.model.path)
     if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
         raise ConfigError(f"{path!r} is an mmrl policy checkpoint; use it with mmrl eval, or set model.path to a "
@@ -33,9 +31,10 @@ def build_flow_policy(cfg, dist=None) -> FlowPolicy:
                "text_max_length": cfg.model.text_max_length, "family": cfg.model.family}
     meta = shard_on_load(cfg, dist, path)
     model = load_flow_model(path, dtype, device, **options, meta=meta)
-    return FlowPolicy(model, cfg.sampler, cfg.model.lora, reference_kind(cfg), path, cfg.log.progress, cfg.tree,
-                      options, sample_chunk(cfg.train), cfg.model.text_cache, cfg.model.offload,
-                      build_objective(cfg.algo).actions, device=resolve_device(device) if meta else None)
+    return FlowPolicy(model=model, sampler_cfg=cfg.sampler, lora_cfg=cfg.model.lora, reference=reference_kind(cfg),
+                      model_path=path, progress=cfg.log.progress, tree_cfg=cfg.tree, model_options=options,
+                      micro_batch=sample_chunk(cfg.train), text_cache=cfg.model.text_cache, offload=cfg.model.offload,
+                      objective=build_objective(cfg.algo).actions, device=indexed(device) if meta else None)
 
 
 def shard_on_load(cfg, dist, path: str) -> tuple[str, ...]:
@@ -55,8 +54,3 @@ def shard_on_load(cfg, dist, path: str) -> tuple[str, ...]:
         return ()
     return names
 
-
-def resolve_device(device: str) -> torch.device:
-    """torch.device(device), with a CUDA device's index (this process's current device) filled in."""
-    d = torch.device(device)
-    return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d

@@ -375,10 +375,10 @@ def load_janus(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu
 
 def build_janus_policy(cfg) -> JanusPolicy:
     from mmrl.config import sample_chunk
+    from mmrl.devices import resolve_device, torch_dtype
 
     check_janus_config(cfg)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
-    device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype, device = torch_dtype(cfg.model.dtype), resolve_device(cfg.model.device)
     path = resolve_model_path(cfg.model.path)
     meta_file = os.path.join(path, "mmrl_policy.json")
     if os.path.isfile(meta_file) and json.load(open(meta_file)).get("lora"):

@@ -7,8 +7,13 @@ its published sizes for `mmrl plan --arch` (transformer config and frozen parts)
 transformer, and a tiny random-init builder of the real classes (tests, scripts/gpu_check.py). Loading, plan,
 export, gpu_check and the tests read families; nothing else names a pipeline class.
 
-A folder's family is found from its model_index.json `_class_name`; `model.family` names one explicitly, and a
-user's own family loads by import path like a reward does (`model.family: my_family:FAMILY`; docs/extending.md).
+Each fact lives in the family only: the loader stamps the family on the FlowModel it returns (`model.family`), and
+training, `mmrl plan` and LoRA saving all read the targets and the LoRA pipeline from there, so a variant
+(`dataclasses.replace(pixel.FAMILY, lora_targets=...)`) trains exactly what `mmrl plan` counts.
+
+A folder's family is found from its model_index.json `_class_name` (several families of one pipeline class: the
+one of the folder's transformer class); `model.family` names one explicitly, and a user's own family loads by
+import path like a reward does (`model.family: my_family:FAMILY`; docs/extending.md).
 """
 
 from __future__ import annotations
@@ -43,7 +48,6 @@ class PlanInputs(NamedTuple):
     text_tokens: int               # L of enc [N, L, D]
     enc_dim: int                   # D
     pooled_dim: int                # P of pooled [N, P] (0 when the family has none)
-    lora_targets: tuple[str, ...] | None = None  # when they differ from the family's (the pixel video model)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,12 @@ class Family:
     tiny: Callable[..., Any] | None = None  # (seed) -> a tiny random-init pipeline of the real classes
     condition_images: int = 0      # images an example carries as conditioning (edits, image-to-video); 0 = none
     diffusers: bool = True         # folders are diffusers pipelines (export through the pipeline class)
+    video_vae: bool = False        # its VAE decodes clips [N, C, F, H, W] (Wan's, Qwen-Image's): images as 1 frame
+
+    def vae_latent(self, latent: tuple[int, ...]) -> tuple[int, ...]:
+        """One latent as the family's VAE decodes it: an image latent (C, H, W) gains a frame axis (C, 1, H, W)
+        for a video VAE; a video latent (C, F, H, W), or any latent of an image VAE, is unchanged."""
+        return (latent[0], 1, *latent[1:]) if self.video_vae and len(latent) == 3 else tuple(latent)
 
 
 # every module of this package but `common` is one family, registered under the module's name: adding a family is
@@ -72,20 +82,52 @@ def families() -> list[Family]:
     return [FAMILIES[name] for name in list(FAMILIES)]
 
 
-def family_for(pipeline_class: str | None, name: str | None = None, where: str = "model_index.json") -> Family:
+def family_for(pipeline_class: str | None, name: str | None = None, where: str = "model_index.json",
+               transformer: str | None = None) -> Family:
     """The family named `name` (a registered name or package.module:NAME), else the one that loads
-    `pipeline_class`."""
+    `pipeline_class`: of several (mmrl's pixel image and video models), the one of the `transformer` class, else
+    the first registered."""
     if name:
         family = FAMILIES[name]
         if not isinstance(family, Family):
             raise TypeError(f"model.family={name!r} is a {type(family).__name__}, not an mmrl.models.families.Family")
         return family
-    for family in families():
-        if pipeline_class in family.pipelines:
-            return family
-    known = sorted(p for f in families() for p in f.pipelines)
+    found = [f for f in families() if pipeline_class in f.pipelines]
+    if found:
+        return next((f for f in found if f.transformer == transformer), found[0])
+    known = sorted({p for f in families() for p in f.pipelines})
     raise ConfigError(f"unsupported pipeline class {pipeline_class!r} in {where}; mmrl's families load {known}. "
                       f"Another model: write a family (docs/extending.md) and set model.family=your_module:FAMILY")
+
+
+def lora_targets(family: Family | None, target_modules=()) -> list[str]:
+    """The modules LoRA adapts in a model of `family` (peft module-name suffixes): `target_modules`
+    (model.lora.target_modules) when given, else the family's. The flow policy and `mmrl plan` both ask here."""
+    if target_modules:
+        return list(target_modules)
+    if family is None:
+        raise ConfigError("LoRA on a FlowModel without a family (mmrl/models/families): nothing names its LoRA "
+                          "targets; set model.lora.target_modules to the module-name suffixes to adapt")
+    return list(family.lora_targets)
+
+
+def transformer_class(index: dict) -> str | None:
+    """The transformer class a folder's model_index.json names (diffusers: `transformer: [library, class]`; mmrl's
+    pixel folders: `transformer_class`), None when it names none."""
+    entry = index.get("transformer")
+    return index.get("transformer_class") or (entry[1] if isinstance(entry, list) and len(entry) == 2 else None)
+
+
+def family_of(index: dict, name: str | None = None, where: str = "model_index.json") -> Family:
+    """The family that loads the folder of model_index.json `index` (`name`: model.family, else found from the
+    index; see family_for), refusing one whose transformer class is not the folder's."""
+    tr = transformer_class(index)
+    family = family_for(index.get("_class_name"), name, where, transformer=tr)
+    if tr and tr != family.transformer:
+        raise ConfigError(f"{where} names a {tr} transformer, but the family {family.name!r} loads a "
+                          f"{family.transformer}: set model.family to a family of {tr}, or leave it unset to let the "
+                          f"folder pick one")
+    return family
 
 
 def published_architectures() -> dict[str, tuple[Family, dict]]:

@@ -1,5 +1,5 @@
 """Parts several families share: loading a diffusers pipeline folder, 2x2 latent packing, VAE decoders, the
-padded prompt layout of chat-template text encoders, and the flow-matching sigma schedules."""
+padded prompt layout of chat-template text encoders, the flow-matching sigma schedules, SD3's LoRA targets."""
 
 from __future__ import annotations
 
@@ -9,6 +9,10 @@ import torch
 from mmrl.models.families import LoadOptions
 
 TEXT_LEN = 128  # Qwen-Image / Z-Image prompts are padded to this many tokens (after the template), masked
+# LoRA targets of SD3-family transformers (SD3, FLUX.1, mmrl's pixel image model; peft matches module-name suffixes):
+# the joint attention projections
+SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 
 
 def from_pretrained(folder: str, index: dict, options: LoadOptions):

@@ -12,9 +12,9 @@ import torch
 
 from mmrl.models.architectures import CLIP_L, T5_XXL, VAE_16
 from mmrl.models.families import Family, LoadOptions, PlanInputs
-from mmrl.models.families.common import (dynamic_schedule, dynamic_shift_mu, from_pretrained, pack2x2, unpack2x2,
-                                         vae_decoder, vae_encoder)
-from mmrl.models.flow_model import SD3_LORA_TARGETS, FlowModel
+from mmrl.models.families.common import (SD3_LORA_TARGETS, dynamic_schedule, dynamic_shift_mu, from_pretrained,
+                                         pack2x2, unpack2x2, vae_decoder, vae_encoder)
+from mmrl.models.flow_model import FlowModel
 
 
 def flux_call(guidance: float):
@@ -43,8 +43,8 @@ def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
     tr, size = pipe.transformer, options.sample_size or pipe.default_sample_size
     mu = dynamic_shift_mu((size // 2) ** 2, dict(pipe.scheduler.config))  # packed 2x2: (H/2)(W/2) tokens
     return FlowModel(tr, encode, vae_decoder(pipe.vae), (tr.config.in_channels // 4, size, size),
-                     (pipe.text_encoder, pipe.text_encoder_2, pipe.vae), family=FAMILY, call=flux_call(options.guidance),
-                     lora_targets=SD3_LORA_TARGETS, encode_latents=vae_encoder(pipe.vae), image_scale=pipe.vae_scale_factor,
+                     (pipe.text_encoder, pipe.text_encoder_2, pipe.vae), call=flux_call(options.guidance),
+                     encode_latents=vae_encoder(pipe.vae), image_scale=pipe.vae_scale_factor,
                      **({} if mu is None else {"schedule": dynamic_schedule(mu)}))
 
 

@@ -26,14 +26,15 @@ import numpy as np
 import torch
 
 from mmrl.models.families import Family, LoadOptions, PlanInputs
-from mmrl.models.families.common import from_pretrained
-from mmrl.models.flow_model import SD3_LORA_TARGETS, FlowModel
+from mmrl.models.families.common import SD3_LORA_TARGETS, from_pretrained
+from mmrl.models.flow_model import FlowModel
 
 
-def lora_targets(num_single_layers: int = 48) -> tuple[str, ...]:
+def flux2_lora_targets(num_single_layers: int = 48) -> tuple[str, ...]:
     """The joint attention of the double-stream blocks (image and text projections) and, in every single-stream
     block, the fused QKV + MLP-in projection and the output projection (named by index: `attn.to_out` alone would
-    also name the double blocks' ModuleList; diffusers' FLUX.2 LoRA trainers do the same)."""
+    also name the double blocks' ModuleList; diffusers' FLUX.2 LoRA trainers do the same). A family names the
+    single blocks of its largest model: peft skips the names a smaller one lacks (a tiny model's one block)."""
     return (*SD3_LORA_TARGETS, "attn.to_qkv_mlp_proj",
             *(f"single_transformer_blocks.{i}.attn.to_out" for i in range(num_single_layers)))
 
@@ -100,7 +101,7 @@ def flux2_encoder(vae):
     return encode
 
 
-def flux2_model(pipe, options: LoadOptions, family: Family, guidance: float | None, guide=None) -> FlowModel:
+def flux2_model(pipe, options: LoadOptions, guidance: float | None, guide=None) -> FlowModel:
     """The FlowModel of a loaded Flux2Pipeline / Flux2KleinPipeline (their encode_prompt take the same arguments)."""
     length = options.text_max_length or pipe.tokenizer_max_length
 
@@ -111,14 +112,13 @@ def flux2_model(pipe, options: LoadOptions, family: Family, guidance: float | No
 
     tr, size = pipe.transformer, options.sample_size or pipe.default_sample_size   # size: VAE latent side (x8)
     return FlowModel(tr, encode, flux2_decoder(pipe.vae), (tr.config.in_channels, size // 2, size // 2),
-                     (pipe.text_encoder, pipe.vae), family=family, call=flux2_call(guidance),
-                     lora_targets=lora_targets(tr.config.num_single_layers), guide=guide,
+                     (pipe.text_encoder, pipe.vae), call=flux2_call(guidance), guide=guide,
                      schedule=flux2_schedule(pipe.scheduler, (size // 2) ** 2), encode_latents=flux2_encoder(pipe.vae),
                      image_scale=2 * pipe.vae_scale_factor)
 
 
 def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
-    return flux2_model(from_pretrained(folder, index, options), options, FAMILY, options.guidance)
+    return flux2_model(from_pretrained(folder, index, options), options, options.guidance)
 
 
 def plan_inputs(config: dict, folder: str | None, options: LoadOptions) -> PlanInputs:
@@ -134,7 +134,7 @@ def plan_inputs(config: dict, folder: str | None, options: LoadOptions) -> PlanI
                                                       pooled))
 
     return PlanInputs(vae_layout_call, (config["in_channels"] // 4, size, size), options.text_max_length or 512,
-                      config["joint_attention_dim"], 0, lora_targets(config["num_single_layers"]))
+                      config["joint_attention_dim"], 0)
 
 
 # ------------------------------------------------------------------------------------------------ tiny parts
@@ -237,7 +237,7 @@ MISTRAL_SMALL_24B = dict(
 
 FAMILY = Family(
     name="flux2", pipelines=("Flux2Pipeline",), transformer="Flux2Transformer2DModel", load=load,
-    lora_targets=lora_targets(48), plan_inputs=plan_inputs, lora_pipeline="Flux2Pipeline", tiny=tiny,
+    lora_targets=flux2_lora_targets(48), plan_inputs=plan_inputs, lora_pipeline="Flux2Pipeline", tiny=tiny,
     # black-forest-labs/FLUX.2-dev, transformer/config.json: the diffusers defaults of Flux2Transformer2DModel
     # (8 double + 48 single blocks, 48 heads of 128, Mistral features of 3 x 5120); plan counts 32.2 B
     architectures={"flux2-dev": {"config": dict(

@@ -21,7 +21,7 @@ import torch
 
 from mmrl.models.families import Family, LoadOptions
 from mmrl.models.families.common import from_pretrained
-from mmrl.models.families.flux2 import (VAE_FLUX2, flux2_model, lora_targets, plan_inputs, tiny_scheduler,
+from mmrl.models.families.flux2 import (VAE_FLUX2, flux2_lora_targets, flux2_model, plan_inputs, tiny_scheduler,
                                         tiny_transformer, tiny_vae)
 from mmrl.models.flow_model import FlowModel
 
@@ -33,7 +33,7 @@ def distilled_guide(v_u: torch.Tensor, v_c: torch.Tensor, w: float) -> torch.Ten
 
 def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
     pipe = from_pretrained(folder, index, options)
-    return flux2_model(pipe, options, FAMILY, None, distilled_guide if pipe.config.is_distilled else None)
+    return flux2_model(pipe, options, None, distilled_guide if pipe.config.is_distilled else None)
 
 
 # Qwen3's chat template, condensed: string content, the empty thinking block when enable_thinking is false
@@ -80,7 +80,8 @@ def klein(num_layers: int, num_single_layers: int, heads: int, text_hidden: int)
 
 FAMILY = Family(
     name="flux2_klein", pipelines=("Flux2KleinPipeline",), transformer="Flux2Transformer2DModel", load=load,
-    lora_targets=lora_targets(24), plan_inputs=plan_inputs, lora_pipeline="Flux2KleinPipeline", tiny=tiny,
+    # LoRA: the single blocks of klein-9B (24; klein-4B has 20)
+    lora_targets=flux2_lora_targets(24), plan_inputs=plan_inputs, lora_pipeline="Flux2KleinPipeline", tiny=tiny,
     # black-forest-labs/FLUX.2-klein-4B and -9B (and their -base-), transformer/config.json: 5 + 20 blocks of
     # 24 heads (plan counts 3.88 B) and 8 + 24 blocks of 32 heads (9.08 B); the base models share them
     architectures={

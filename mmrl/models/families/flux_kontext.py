@@ -28,8 +28,8 @@ import dataclasses
 import torch
 
 from mmrl.models.families import Family, LoadOptions, PlanInputs, flux
-from mmrl.models.families.common import pack2x2
-from mmrl.models.flow_model import SD3_LORA_TARGETS, FlowModel
+from mmrl.models.families.common import SD3_LORA_TARGETS, pack2x2
+from mmrl.models.flow_model import FlowModel
 
 
 class _WithImage:
@@ -87,7 +87,7 @@ def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
         enc, pooled = text(texts)                                              # [B, L, 4096], [B, 768]
         return enc, torch.cat([pooled, encode_image(images).to(pooled)], 1)    # [B, 768 + 16 H W]
 
-    return dataclasses.replace(model, encode_prompts=encode, family=FAMILY, call=kontext_call(options.guidance))
+    return dataclasses.replace(model, encode_prompts=encode, call=kontext_call(options.guidance))
 
 
 def plan_inputs(config: dict, folder: str | None, options: LoadOptions) -> PlanInputs:

@@ -3,12 +3,13 @@
 An `SD3Transformer2DModel` over RGB images [N, 3, H, W] (shapes world), or a `WanTransformer3DModel` over RGB clips
 [N, 3, F, H, W] (motion world; with `coordinates`, three fixed frame / row / column channels are concatenated to
 its input, the way Wan I2V concatenates its conditioning latents), conditioned by a CLIP text model over a
-word-level tokenizer; no VAE (decode = clamp); a static shift.
+word-level tokenizer; no VAE (decode = clamp); a static shift. The two are two families of one pipeline class,
+told apart by the folder's `transformer_class`: `pixel` (this file) and `pixel_video` (pixel_video.py), each with
+its own LoRA targets and LoRA pipeline.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -16,8 +17,9 @@ import torch
 
 from mmrl.errors import ConfigError
 from mmrl.models.families import Family, LoadOptions, PlanInputs
-from mmrl.models.families.wan import LORA_TARGETS as WAN_LORA_TARGETS, wan_call
-from mmrl.models.flow_model import SD3_LORA_TARGETS, EncodeFn, FlowModel, sd3_call
+from mmrl.models.families.common import SD3_LORA_TARGETS
+from mmrl.models.families.wan import wan_call
+from mmrl.models.flow_model import EncodeFn, FlowModel, sd3_call
 from mmrl.models.pixel_t2i import PIPELINE_CLASS
 
 PARTS = ("transformer", "text_encoder", "tokenizer")  # the folders a pixel model needs
@@ -69,8 +71,7 @@ def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
     shape = (ch, index["frames"], size, size) if video else (ch, size, size)
     call = (wan_coord_call if index.get("coordinates") else wan_call) if video else sd3_call
     return FlowModel(transformer, make_clip_encoder(tokenizer, text_encoder), lambda x: x.clamp(-1, 1), shape,
-                     (text_encoder,), family=VIDEO if video else FAMILY, prediction=index.get("prediction", "velocity"), call=call,
-                     lora_targets=WAN_LORA_TARGETS if video else SD3_LORA_TARGETS,
+                     (text_encoder,), prediction=index.get("prediction", "velocity"), call=call,
                      encode_latents=None if video else (lambda images: images.float()))
 
 
@@ -82,7 +83,7 @@ def plan_inputs(config: dict, folder: str | None, options: LoadOptions) -> PlanI
         coords = index.get("coordinates", False)
         return PlanInputs(wan_coord_call if coords else wan_call,
                           (config["in_channels"] - (3 if coords else 0), index["frames"], size, size), tokens,
-                          config["text_dim"], 0, WAN_LORA_TARGETS)
+                          config["text_dim"], 0)
     size = options.sample_size or size
     return PlanInputs(sd3_call, (config["in_channels"], size, size), tokens, config["joint_attention_dim"],
                       config["pooled_projection_dim"])
@@ -92,5 +93,3 @@ def plan_inputs(config: dict, folder: str | None, options: LoadOptions) -> PlanI
 FAMILY = Family(name="pixel", pipelines=(PIPELINE_CLASS,), transformer="SD3Transformer2DModel", load=load,
                 lora_targets=SD3_LORA_TARGETS, plan_inputs=plan_inputs, lora_pipeline="StableDiffusion3Pipeline",
                 diffusers=False)
-VIDEO = dataclasses.replace(FAMILY, transformer="WanTransformer3DModel", lora_targets=WAN_LORA_TARGETS,
-                            lora_pipeline="WanPipeline")

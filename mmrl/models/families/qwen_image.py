@@ -55,8 +55,7 @@ def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
 
     size, config = options.sample_size or pipe.default_sample_size, dict(pipe.scheduler.config)
     return FlowModel(tr, encode, image_decoder(pipe.vae), (tr.config.out_channels, size, size),
-                     (pipe.text_encoder, pipe.vae), family=FAMILY, call=qwen_image_call, lora_targets=LORA_TARGETS,
-                     guide=true_cfg,
+                     (pipe.text_encoder, pipe.vae), call=qwen_image_call, guide=true_cfg,
                      schedule=dynamic_schedule(dynamic_shift_mu((size // 2) ** 2, config), config.get("shift_terminal")))
 
 
@@ -103,7 +102,7 @@ def tiny(seed: int = 0):
 
 FAMILY = Family(
     name="qwen_image", pipelines=("QwenImagePipeline",), transformer="QwenImageTransformer2DModel", load=load,
-    lora_targets=LORA_TARGETS, plan_inputs=plan_inputs, lora_pipeline="QwenImagePipeline", tiny=tiny,
+    lora_targets=LORA_TARGETS, plan_inputs=plan_inputs, lora_pipeline="QwenImagePipeline", tiny=tiny, video_vae=True,
     # Qwen/Qwen-Image, transformer/config.json (the model card's "20 B"; these diffusers defaults of
     # QwenImageTransformer2DModel instantiate 20.43 B)
     architectures={"qwen-image": {"config": dict(

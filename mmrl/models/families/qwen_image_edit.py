@@ -127,17 +127,14 @@ def condition_encoder(pipe, spec: Edit, length: int):
 
 
 def load(folder: str, index: dict, options: LoadOptions, spec: Edit = EDIT) -> FlowModel:
-    from mmrl.models.families import FAMILIES
-
     pipe = from_pretrained(folder, index, options)
     tr, side = pipe.transformer, VAE_SIDE // pipe.vae_scale_factor
     length = prompt_tokens(pipe, spec) + (options.text_max_length or TEXT_LEN)
     size, config = options.sample_size or pipe.default_sample_size, dict(pipe.scheduler.config)
     return FlowModel(tr, condition_encoder(pipe, spec, length), qwen_image.image_decoder(pipe.vae),
-                     (tr.config.out_channels, size, size), (pipe.text_encoder, pipe.vae), family=FAMILIES[spec.family],
-                     call=edit_call(length, spec.max_images, side), lora_targets=qwen_image.LORA_TARGETS,
-                     guide=qwen_image.true_cfg, schedule=dynamic_schedule(dynamic_shift_mu((size // 2) ** 2, config),
-                                                                          config.get("shift_terminal")))
+                     (tr.config.out_channels, size, size), (pipe.text_encoder, pipe.vae),
+                     call=edit_call(length, spec.max_images, side), guide=qwen_image.true_cfg,
+                     schedule=dynamic_schedule(dynamic_shift_mu((size // 2) ** 2, config), config.get("shift_terminal")))
 
 
 def plan_inputs(config: dict, folder: str | None, options: LoadOptions, spec: Edit = EDIT) -> PlanInputs:
@@ -176,7 +173,7 @@ def edit_family(spec: Edit, architectures: dict, **tiny_transformer) -> Family:
         name=spec.family, pipelines=(spec.pipeline,), transformer="QwenImageTransformer2DModel",
         load=partial(load, spec=spec), lora_targets=qwen_image.LORA_TARGETS,
         plan_inputs=partial(plan_inputs, spec=spec), lora_pipeline=spec.pipeline, tiny=partial(tiny, spec=spec, **tiny_transformer),
-        condition_images=1 if spec.max_images == 1 else -1, architectures=architectures,
+        condition_images=1 if spec.max_images == 1 else -1, architectures=architectures, video_vae=True,
         frozen_parts=qwen_image.FAMILY.frozen_parts)  # Qwen2.5-VL-7B (the VLM, vision tower included) and the VAE
 
 

@@ -11,8 +11,8 @@ import torch
 
 from mmrl.models.architectures import CLIP_G, CLIP_L, T5_XXL, VAE_16
 from mmrl.models.families import Family, LoadOptions, PlanInputs
-from mmrl.models.families.common import from_pretrained, vae_decoder, vae_encoder
-from mmrl.models.flow_model import SD3_LORA_TARGETS, FlowModel, sd3_call
+from mmrl.models.families.common import SD3_LORA_TARGETS, from_pretrained, vae_decoder, vae_encoder
+from mmrl.models.flow_model import FlowModel, sd3_call
 
 
 def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
@@ -28,7 +28,7 @@ def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
     size = options.sample_size or pipe.default_sample_size
     texts = tuple(m for m in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3) if m is not None)
     return FlowModel(pipe.transformer, encode, vae_decoder(pipe.vae), (pipe.transformer.config.in_channels, size, size),
-                     texts + (pipe.vae,), family=FAMILY, call=sd3_call, lora_targets=SD3_LORA_TARGETS,
+                     texts + (pipe.vae,), call=sd3_call,
                      encode_latents=vae_encoder(pipe.vae), image_scale=pipe.vae_scale_factor)
 
 

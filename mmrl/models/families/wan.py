@@ -35,8 +35,7 @@ def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
     shape = (tr.config.in_channels, (frames - 1) // pipe.vae_scale_factor_temporal + 1, size, size)
     # Wan2.2 A14B: transformer_2 denoises below boundary_ratio (sigma; = timestep / num_train_timesteps)
     boundary = pipe.config.get("boundary_ratio") if getattr(pipe, "transformer_2", None) is not None else None
-    return FlowModel(tr, encode, wan_vae_decoder(pipe.vae), shape, (pipe.text_encoder, pipe.vae), family=FAMILY,
-                     call=wan_call, lora_targets=LORA_TARGETS,
+    return FlowModel(tr, encode, wan_vae_decoder(pipe.vae), shape, (pipe.text_encoder, pipe.vae), call=wan_call,
                      transformer_2=pipe.transformer_2 if boundary is not None else None, boundary=boundary)
 
 
@@ -93,7 +92,7 @@ UMT5_XXL = {**T5_XXL, "vocab_size": 256384}
 
 FAMILY = Family(
     name="wan", pipelines=("WanPipeline",), transformer="WanTransformer3DModel", load=load,
-    lora_targets=LORA_TARGETS, plan_inputs=plan_inputs, lora_pipeline="WanPipeline", tiny=tiny,
+    lora_targets=LORA_TARGETS, plan_inputs=plan_inputs, lora_pipeline="WanPipeline", tiny=tiny, video_vae=True,
     architectures={
         "wan21-1.3b": {"config": WAN21_1_3B},  # the 1.3 B model of configs/t2v/wan_lora.yaml
         "wan21-14b": {"config": WAN21_14B},  # Wan-AI/Wan2.1-T2V-14B-Diffusers, transformer/config.json (14.3 B)

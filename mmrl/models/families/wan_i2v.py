@@ -104,9 +104,8 @@ def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
     shape = (tr.config.out_channels, latent_frames, size, size)
     boundary = pipe.config.get("boundary_ratio") if getattr(pipe, "transformer_2", None) is not None else None
     frozen = tuple(m for m in (pipe.text_encoder, pipe.image_encoder if clip else None, vae) if m is not None)
-    return FlowModel(tr, encode, wan_vae_decoder(vae), shape, frozen, family=FAMILY, call=i2v_call,
-                     lora_targets=LORA_TARGETS, transformer_2=pipe.transformer_2 if boundary is not None else None,
-                     boundary=boundary)
+    return FlowModel(tr, encode, wan_vae_decoder(vae), shape, frozen, call=i2v_call,
+                     transformer_2=pipe.transformer_2 if boundary is not None else None, boundary=boundary)
 
 
 def plan_inputs(config: dict, folder: str | None, options: LoadOptions) -> PlanInputs:
@@ -163,7 +162,7 @@ UMT5 = ("UMT5EncoderModel", "UMT5Config", UMT5_XXL)
 FAMILY = Family(
     name="wan_i2v", pipelines=("WanImageToVideoPipeline",), transformer="WanTransformer3DModel", load=load,
     lora_targets=LORA_TARGETS, plan_inputs=plan_inputs, lora_pipeline="WanImageToVideoPipeline", tiny=tiny,
-    condition_images=1,
+    video_vae=True, condition_images=1,
     architectures={"wan21-i2v-14b": {"config": WAN21_I2V_14B},
                    # its frozen parts lack the CLIP tower (read by plan where an entry names them)
                    "wan22-i2v-a14b": {"config": WAN22_I2V_A14B, "experts": 2,

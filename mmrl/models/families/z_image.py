@@ -39,7 +39,7 @@ def load(folder: str, index: dict, options: LoadOptions) -> FlowModel:
 
     size = options.sample_size or 2 * (1024 // (pipe.vae_scale_factor * 2))
     return FlowModel(tr, encode, vae_decoder(pipe.vae), (tr.config.in_channels, size, size),
-                     (pipe.text_encoder, pipe.vae), family=FAMILY, call=z_image_call, lora_targets=LORA_TARGETS,
+                     (pipe.text_encoder, pipe.vae), call=z_image_call,
                      schedule=linspace_schedule, encode_latents=vae_encoder(pipe.vae), image_scale=pipe.vae_scale_factor)
 
 
