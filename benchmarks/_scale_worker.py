@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = {
     "chain": [],                                                                       # Flow-GRPO
     "tree": ["tree.split_steps=[1,2]", "tree.branch=2", "algo.loss_agg=token_mean"],   # BranchGRPO: 4 leaves
-    "nft": ["algo.policy_loss=nft", "sampler.kind=ode"],                               # DiffusionNFT
+    "nft": ["algo.objective.name=nft", "sampler.kind=ode"],                               # DiffusionNFT
 }
 
 

@@ -4,7 +4,7 @@ a pixel SD3 flow model built here (mmrl/models/pixel_t2i.py, no hub):
 
 - chain: Flow-GRPO (an SDE chain per image, every step trained);
 - tree: BranchGRPO (tree.split_steps=[1,2], tree.branch=2: 4 leaves per prompt, algo.loss_agg=token_mean);
-- nft: DiffusionNFT (algo.policy_loss=nft, sampler.kind=ode).
+- nft: DiffusionNFT (algo.objective.name=nft, sampler.kind=ode).
 
     python benchmarks/bench_scale.py                 # small transformer, 8 steps, 2 prompts x 4 per rank, 3 iterations
     python benchmarks/bench_scale.py --quick         # tiny transformer, 4 steps, 1 prompt x 4 per rank, 1 iteration

@@ -17,7 +17,8 @@ import inspect
 
 from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS_AGG, OFFPOLICY, POLICY_LOSSES,
                              RATIO_TRANSFORMS, REWARD_AGGREGATIONS, REWARD_SHAPINGS, WEIGHTINGS)
-from mmrl.algorithms.objective import build_objective, check_knobs, loss_name
+from mmrl.algorithms.objective import build_objective
+from mmrl.algorithms.shaping import build_shaping
 from mmrl.config import Config, TaskConfig, policy_kind
 from mmrl.config_files import load_config as parse_config
 from mmrl.errors import ConfigError
@@ -53,12 +54,12 @@ def check_choices(cfg: Config) -> Config:
     for key in ("name", "eval_name"):
         if getattr(cfg.reward, key):
             REWARDS.check(getattr(cfg.reward, key), f"reward.{key}")
-    if cfg.algo.objective.name:
-        POLICY_LOSSES.check(cfg.algo.objective.name, "algo.objective.name")
-    check_knobs(cfg.algo)
-    for registry, key in ((ADVANTAGES, "advantage"), (POLICY_LOSSES, "policy_loss"), (LOSS_AGG, "loss_agg"),
-                          (KL_ESTIMATORS, "kl"), (RATIO_TRANSFORMS, "ratio"), (REWARD_SHAPINGS, "reward_shaping"),
-                          (REWARD_AGGREGATIONS, "reward_aggregation"), (OFFPOLICY, "offpolicy")):
+    POLICY_LOSSES.check(cfg.algo.objective.name, "algo.objective.name")  # its kwargs: _check_objective
+    REWARD_SHAPINGS.check(cfg.algo.shaping.name, "algo.shaping.name")
+    build_shaping(cfg.algo)  # algo.shaping.kwargs against the shaping's knobs dataclass
+    for registry, key in ((ADVANTAGES, "advantage"), (LOSS_AGG, "loss_agg"), (KL_ESTIMATORS, "kl"),
+                          (RATIO_TRANSFORMS, "ratio"), (REWARD_AGGREGATIONS, "reward_aggregation"),
+                          (OFFPOLICY, "offpolicy")):
         registry.check(getattr(cfg.algo, key), f"algo.{key}")
     for name in cfg.algo.weighting.split("+"):
         WEIGHTINGS.check(name, "algo.weighting")
@@ -78,19 +79,20 @@ def check_choices(cfg: Config) -> Config:
 
 
 def _check_objective(cfg: Config) -> None:
-    """What the objective's terms declare they need (mmrl/algorithms/objective.py) against the rest of the config."""
-    a, s, obj, name = cfg.algo, cfg.sampler, build_objective(cfg.algo), loss_name(cfg.algo)
+    """The objective's kwargs (its loss's knobs dataclass) and what its terms declare they need
+    (mmrl/algorithms/objective.py) against the rest of the config."""
+    a, s, obj, name = cfg.algo, cfg.sampler, build_objective(cfg.algo), cfg.algo.objective.name
     loss = POLICY_LOSSES[name]
     if obj.actions != "forward":
         _choice("sampler.kind", s.kind, SDE_KINDS)
         if getattr(loss, "flow_steps_only", False) and (policy_kind(cfg.model.policy) != "flow" or a.ratio != "none"):
-            raise ConfigError(f"algo.policy_loss={name} bounds the exact KL of flow SDE steps: use a flow policy "
+            raise ConfigError(f"algo.objective.name={name} bounds the exact KL of flow SDE steps: use a flow policy "
                               f"and algo.ratio=none (its trust region replaces ratio transforms)")
         return
     _choice("sampler.kind", s.kind, SDE_KINDS + ("ode",))
-    fix = f"algo.policy_loss={name} trains on the forward process of final samples"
+    fix = f"algo.objective.name={name} trains on the forward process of final samples"
     if policy_kind(cfg.model.policy) == "token":
-        raise ConfigError(f"{fix}, which flow policies record: set model.policy=flow or another algo.policy_loss")
+        raise ConfigError(f"{fix}, which flow policies record: set model.policy=flow or another algo.objective.name")
     if cfg.tree.split_steps:
         raise ConfigError(f"{fix}, not on tree transitions: remove tree.split_steps")
     if a.weighting != "none" or a.ratio != "none" or (a.kl_coef > 0 and a.kl == "flow_mean"):
@@ -98,10 +100,10 @@ def _check_objective(cfg: Config) -> None:
                           f"algo.weighting=none, algo.ratio=none, algo.kl=flow_velocity")
     if obj.terms[0].needs_reference and (cfg.model.reference == "none" or (
             a.kl_reference == "ema" and cfg.train.ema_decay == 0)):
-        raise ConfigError(f"algo.policy_loss={name} compares each sample with a reference: set "
+        raise ConfigError(f"algo.objective.name={name} compares each sample with a reference: set "
                           f"model.reference=auto (the frozen base), or train.ema_decay > 0 with algo.kl_reference=ema")
     if obj.needs_whole_groups and (cfg.train.minibatches != 1 or cfg.train.micro_batch):
-        raise ConfigError(f"algo.policy_loss={name} sums over whole groups in one pass: set "
+        raise ConfigError(f"algo.objective.name={name} sums over whole groups in one pass: set "
                           f"train.minibatches=1, train.micro_batch=0")
     if s.kind == "ode" and s.shared_noise:
         raise ConfigError("sampler.kind=ode with sampler.shared_noise: every sample of a group would be the same image "

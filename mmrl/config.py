@@ -48,7 +48,7 @@ class ModelConfig:
 @dataclass
 class SamplerConfig:
     kind: str = "flow_grpo"       # flow_grpo | dance | cps (docs/algorithms.md §1); ode only for forward-process
-                                  # losses (algo.policy_loss=awm | nft), which train on final samples, not steps
+                                  # losses (algo.objective.name=awm | nft ...), which train on final samples, not steps
     num_steps: int = 10           # training-time denoising steps (Flow-GRPO: ~10 for training)
     noise_level: float = 0.7      # a: 0.7 SD3 (Flow-GRPO), 0.9 FLUX; DanceGRPO eta 0.3; CPS a
     cfg_scale: float = 4.0        # CFG in sampling AND in the log-prob recomputation (same scale)
@@ -137,9 +137,26 @@ class RewardConfig:
 
 @dataclass
 class ObjectiveConfig:
-    name: str | None = None       # POLICY_LOSSES key (replaces algo.policy_loss) | package.module:fn; None = policy_loss
-    kwargs: dict = field(default_factory=dict)  # the loss's own knobs (fn.knobs), e.g. {dgpo_beta: 50.0}; the others
-                                  # keep their algo.* values
+    """What a training pass minimizes (mmrl/algorithms/objective.py): the policy loss, named once with its own knobs,
+    and the terms only some recipes add. A loss's knobs are the fields of the dataclass declared beside it (fn.knobs,
+    e.g. NFTKnobs in mmrl/algorithms/losses.py), checked at load; a knob that several components read (clip_range,
+    clip_range_high, clip_ratio_c, adv_clip) is an algo.* key instead (mmrl/algorithms/knobs.py)."""
+    name: str = "ppo_clip"        # POLICY_LOSSES key: ppo_clip | awm | awm_anchored | nft | dgpo | dpo | flow_dppo |
+                                  # package.module:fn (a user's own)
+    kwargs: dict = field(default_factory=dict)  # the loss's own knobs, e.g. {nft_beta: 2.0}; unset ones: defaults
+    tis_cap: float = 0.0          # truncated importance sampling (token policies): each action's loss times
+                                  # min(pi_old / pi_engine, tis_cap), pi_engine the sampling engine's own log-prob
+                                  # (vLLM, bf16 decoding); 0 = off; typical 2
+    sft_coef: float = 0.0         # > 0: add sft_coef x the NLL of the injected rows to their loss (supervised anchor,
+                                  # with algo.offpolicy=ground_truth)
+
+
+@dataclass
+class ShapingConfig:
+    """The reward shaping applied to the overall reward before advantages (mmrl/algorithms/shaping.py), named once
+    with its own knobs (the dataclass beside it, fn.knobs), e.g. {name: tempsamp, kwargs: {tau: 0.8, alpha: 1.0}}."""
+    name: str = "none"            # REWARD_SHAPINGS key: none | tempsamp (TempSamp-R1) | tgrpo (T-GRPO) | pkg.mod:fn
+    kwargs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -149,9 +166,9 @@ class AlgoConfig:
     adv_std: str = "auto"         # the group std: population (ddof 0; flow_grpo) | sample (ddof 1; verl, TRL); auto =
                                   # population for flow policies, sample for token ones (resolved at load, validate)
     adv_eps: float | None = None  # added to the std; None = the chosen std's reference: population 1e-4, sample 1e-6
-    adv_clip: float = 5.0         # |A| <= 5 (Flow-GRPO)
-    policy_loss: str = "ppo_clip"  # POLICY_LOSSES key (or algo.objective: {name, kwargs}, mmrl/algorithms/objective.py)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    adv_clip: float = 5.0         # |A| <= 5 (Flow-GRPO); also DiffusionNFT's normalization of A (objective nft)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # the policy loss {name, kwargs} and terms
+    # PPO's trust region, shared by the ratio-clipped losses (ppo_clip, awm, awm_anchored, dgpo): set here, once
     clip_range: float = 1e-4      # Flow-GRPO SD3 with mean-reduced log-probs: 1e-4
     clip_range_high: float | None = None  # DAPO clip-higher; None = clip_range
     clip_ratio_c: float = 3.0     # dual-clip PPO (verl's clip_ratio_c): for A < 0 the loss is at most -c A; 0 = off
@@ -160,24 +177,11 @@ class AlgoConfig:
     kl_coef: float = 0.0          # beta; Flow-GRPO GenEval: 0.004 .. 0.04; GRPO-Guard: 0
     kl_reference: str = "base"    # the KL's reference: base (the frozen initial model) | ema (the EMA of the trained
                                   # weights, train.ema_decay, which evaluation also uses)
-    dpo_beta: float = 2000.0      # online Diffusion-DPO (policy_loss=dpo) on each group's best / worst sample
-    dgpo_beta: float = 100.0      # DGPO (policy_loss=dgpo): the group preference's inverse temperature
-    dppo_kl_threshold: float = 1e-5  # Flow-DPPO (policy_loss=flow_dppo): the step-KL trust region tau
-    nft_beta: float = 1.0         # DiffusionNFT (policy_loss=nft): how far the implicit policies sit from v_old
-    tis_cap: float = 0.0          # truncated importance sampling (token policies): each action's loss times
-                                  # min(pi_old / pi_engine, tis_cap), pi_engine the sampling engine's own log-prob
-                                  # (vLLM, bf16 decoding); 0 = off; typical 2
     weighting: str = "none"       # WEIGHTINGS key, or keys joined by "+" whose weights multiply (tempflow+guard_dt)
     ratio: str = "none"           # RATIO_TRANSFORMS key: none | gspo (sequence-level ratio)
-    reward_shaping: str = "none"  # REWARD_SHAPINGS key applied before advantages: none | tempsamp
+    shaping: ShapingConfig = field(default_factory=ShapingConfig)  # reward shaping {name, kwargs} before advantages
     reward_aggregation: str = "sum"  # REWARD_AGGREGATIONS key for several rewards (reward.name=multi): sum | gdpo | batch
-    shaping_tau: float = 0.8      # TempSamp-R1 soft shaping
-    shaping_alpha: float = 1.0
-    tgrpo_alpha: float = 0.3      # T-GRPO (reward_shaping=tgrpo): bonus for correct samples of a group whose ordered-
-    tgrpo_mu: float = 0.8         # frame accuracy p >= mu x its shuffled-frame accuracy
-    tgrpo_threshold: float = 0.5  # a sample is correct when its overall reward >= this
     offpolicy: str = "none"       # OFFPOLICY key: none | ground_truth (TempSamp-R1 injection, one row per group)
-    sft_coef: float = 0.0         # > 0: add sft_coef x the NLL of the injected rows to their loss (supervised anchor)
     dynamic_sampling: bool = False  # DAPO: resample prompts whose group has zero reward std
     dynamic_sampling_tries: int = 3  # extra sampling rounds at most per iteration
     credit: str = "auto"          # CREDIT_ASSIGNMENTS key: group | tree | pkg.mod:fn; auto = tree when tree.split_steps
@@ -265,8 +269,8 @@ class Config:
             if self.reward.name != "multi":
                 raise ConfigError(f"algo.reward_aggregation={agg} normalizes each of several rewards: set "
                                   "reward.name=multi with reward.kwargs.components, or algo.reward_aggregation=sum")
-            if self.algo.reward_shaping != "none" or self.tree.split_steps:
-                raise ConfigError(f"algo.reward_aggregation={agg} does not combine with algo.reward_shaping or tree "
+            if self.algo.shaping.name != "none" or self.tree.split_steps:
+                raise ConfigError(f"algo.reward_aggregation={agg} does not combine with algo.shaping or tree "
                                   "rollouts: use algo.reward_aggregation=sum")
         if not 0 <= self.reward.max_failed_fraction <= 1:
             raise ConfigError(f"reward.max_failed_fraction must be in [0, 1], got {self.reward.max_failed_fraction}")
@@ -331,19 +335,7 @@ class Config:
                               f"(off), got {self.algo.clip_ratio_c}")
         if self.algo.clip_range <= 0:
             raise ConfigError(f"algo.clip_range must be > 0, got {self.algo.clip_range}")
-        if self.algo.tis_cap < 0 or 0 < self.algo.tis_cap < 1:
-            raise ConfigError(f"algo.tis_cap must be 0 (off) or >= 1 (a cap on pi_old / pi_engine), got {self.algo.tis_cap}")
-        if self.algo.tis_cap and policy_kind(self.model.policy) == "flow":
-            raise ConfigError("algo.tis_cap corrects a token engine's sampling log-probs; a flow policy's old log-probs "
-                              "are its sampler's own, so there is nothing to correct: set algo.tis_cap=0")
-        if self.algo.tis_cap and self.sampler.engine == "hf":
-            raise ConfigError("algo.tis_cap needs the sampling engine's log-probs, which sampler.engine=hf does not record: "
-                              "use sampler.engine=prefix_cache or vllm, or set algo.tis_cap=0")
-        if self.algo.sft_coef < 0:
-            raise ConfigError(f"algo.sft_coef must be >= 0, got {self.algo.sft_coef}")
-        if self.algo.sft_coef > 0 and self.algo.offpolicy == "none":
-            raise ConfigError("algo.sft_coef > 0 trains the NLL of injected rows, and there are none: set "
-                              "algo.offpolicy=ground_truth or algo.sft_coef=0")
+        self._validate_objective_terms()
         if self.algo.kl_coef > 0 and self.model.reference == "none":
             raise ConfigError("algo.kl_coef > 0 needs a reference model: set model.reference=auto or algo.kl_coef=0")
         s = self.sampler
@@ -363,8 +355,6 @@ class Config:
         if self.algo.kl_reference == "ema" and self.algo.kl_coef > 0 and t.ema_decay == 0:
             raise ConfigError("algo.kl_reference=ema takes the EMA of the trained weights as the reference: set "
                               "train.ema_decay (e.g. 0.9), or algo.kl_reference=base")
-        if self.algo.nft_beta <= 0:
-            raise ConfigError(f"algo.nft_beta must be > 0, got {self.algo.nft_beta}")
         self._validate_tree()
         if self.task.name == "prompt_file" and not self.task.prompt_file and not self.task.kwargs.get("dataset"):
             raise ConfigError("task.name=prompt_file needs task.prompt_file=PATH (.txt one prompt per line, .jsonl / .csv "
@@ -393,6 +383,23 @@ class Config:
                 if getattr(getattr(self, section), k) != getattr(default, k):
                     raise ConfigError(f"{section}.{k} does not apply to model.policy={self.model.policy}: remove it "
                                       f"(it is read by {'token' if kind == 'flow' else 'flow'} policies only)")
+
+    def _validate_objective_terms(self) -> None:
+        """algo.objective's terms against the rest (the loss's own knobs are checked by its dataclass at load)."""
+        o, key = self.algo.objective, "algo.objective"
+        if o.tis_cap < 0 or 0 < o.tis_cap < 1:
+            raise ConfigError(f"{key}.tis_cap must be 0 (off) or >= 1 (a cap on pi_old / pi_engine), got {o.tis_cap}")
+        if o.tis_cap and policy_kind(self.model.policy) == "flow":
+            raise ConfigError(f"{key}.tis_cap corrects a token engine's sampling log-probs; a flow policy's old "
+                              f"log-probs are its sampler's own, so there is nothing to correct: set {key}.tis_cap=0")
+        if o.tis_cap and self.sampler.engine == "hf":
+            raise ConfigError(f"{key}.tis_cap needs the sampling engine's log-probs, which sampler.engine=hf does not "
+                              f"record: use sampler.engine=prefix_cache or vllm, or set {key}.tis_cap=0")
+        if o.sft_coef < 0:
+            raise ConfigError(f"{key}.sft_coef must be >= 0, got {o.sft_coef}")
+        if o.sft_coef > 0 and self.algo.offpolicy == "none":
+            raise ConfigError(f"{key}.sft_coef > 0 trains the NLL of injected rows, and there are none: set "
+                              f"algo.offpolicy=ground_truth or {key}.sft_coef=0")
 
     def _validate_tree(self) -> None:
         tr = self.tree

@@ -1,12 +1,15 @@
 """Reading configs: YAML files (which may name a `base:` file, relative to themselves) and `key=value` overrides,
 built into the typed schema of mmrl/config.py. Unknown keys fail with the valid ones (and other frameworks' names
-with mmrl's), values are coerced to the schema's types, YAML 1.2 booleans only.
+with mmrl's), keys that moved with their new form (MOVED), values are coerced to the schema's types, YAML 1.2
+booleans only. A run's saved config.json written before a key moved is translated, with a warning.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import logging
 import os
 import re
 import types
@@ -15,9 +18,10 @@ from typing import Any
 
 import yaml
 
-from mmrl.config import Config
+from mmrl.config import AlgoConfig, Config
 from mmrl.errors import ConfigError, MissingFile
 
+log = logging.getLogger(__name__)
 
 # other frameworks' names (TRL's GRPOConfig, diffusers' training scripts) -> mmrl's key
 OTHER_NAMES = {"learning_rate": "train.lr", "num_generations": "train.group_size", "beta": "algo.kl_coef",
@@ -28,6 +32,89 @@ OTHER_NAMES = {"learning_rate": "train.lr", "num_generations": "train.group_size
                "loss_type": "algo.loss_agg", "scale_rewards": "algo.advantage",
                "num_inference_steps": "sampler.num_steps", "guidance_scale": "sampler.cfg_scale", "lora_rank": "model.lora.rank", "rank": "model.lora.rank",
                "pretrained_model_name_or_path": "model.path", "model_name_or_path": "model.path"}
+
+
+# Keys that left the schema -> (their new place, the registry entries they belong to; () = any). A loss is named once,
+# with its own knobs beside it (algo.objective: {name, kwargs}); so is a reward shaping (algo.shaping: {name, kwargs});
+# the objective's optional terms are algo.objective.tis_cap / sft_coef.
+MOVED = {
+    "algo.policy_loss": ("algo.objective.name", ()),
+    "algo.reward_shaping": ("algo.shaping.name", ()),
+    "algo.dpo_beta": ("algo.objective.kwargs.dpo_beta", ("dpo",)),
+    "algo.dgpo_beta": ("algo.objective.kwargs.dgpo_beta", ("dgpo",)),
+    "algo.dppo_kl_threshold": ("algo.objective.kwargs.dppo_kl_threshold", ("flow_dppo",)),
+    "algo.nft_beta": ("algo.objective.kwargs.nft_beta", ("nft", "awm_anchored")),
+    "algo.tis_cap": ("algo.objective.tis_cap", ()),
+    "algo.sft_coef": ("algo.objective.sft_coef", ()),
+    "algo.shaping_tau": ("algo.shaping.kwargs.tau", ("tempsamp",)),
+    "algo.shaping_alpha": ("algo.shaping.kwargs.alpha", ("tempsamp",)),
+    "algo.tgrpo_alpha": ("algo.shaping.kwargs.alpha", ("tgrpo",)),
+    "algo.tgrpo_mu": ("algo.shaping.kwargs.mu", ("tgrpo",)),
+    "algo.tgrpo_threshold": ("algo.shaping.kwargs.threshold", ("tgrpo",)),
+}
+SAVED_CONFIG = "config.json"  # the name of a run's saved config (mmrl/runs.py, checkpoints): translated, not refused
+
+
+def _upgrade(data: dict, saved: bool) -> tuple[dict, list[str], list[str], list[str]]:
+    """(data with MOVED keys in their new places, "old moved to new" notes, unread keys' notes, touched sections).
+    A knob goes to its entry only if the config names that entry (or names none: then the knob's own, e.g. nft for
+    algo.nft_beta; `saved`, a run's config.json: none is guessed); otherwise it is unread (the old schema ignored it).
+    The old objective's kwargs that are algo.* keys now (clip_range, adv_clip: knobs several components read) move
+    there."""
+    algo = data.get("algo")
+    if not isinstance(algo, dict) or not any(f"algo.{k}" in MOVED for k in algo):
+        return data, [], [], []
+    algo, moved, unread, touched = copy.deepcopy(algo), [], [], []
+    sections = {s: dict(algo.get(s) or {}) for s in ("objective", "shaping")}
+    for old, (new, owners) in sorted(MOVED.items(), key=lambda kv: not kv[1][0].endswith(".name")):  # names first
+        key = old.split(".", 1)[1]
+        if key not in algo:
+            continue
+        value, (section, *rest) = algo.pop(key), new.split(".")[1:]
+        sec = sections[section]
+        touched += [section] if section not in touched else []
+        if rest == ["name"]:  # an old algo.objective.name wins over a policy_loss left at its default
+            sec["name"] = value if sec.get("name") is None or value not in ("ppo_clip", "none") else sec["name"]
+        elif owners and sec.setdefault("name", None if saved else owners[0]) not in owners:
+            unread.append(f"{old}={value} (a knob of {' / '.join(owners)}, not of {sec['name']})")
+            continue
+        elif owners:
+            sec["kwargs"] = {**(sec.get("kwargs") or {})}
+            sec["kwargs"].setdefault(rest[1], value)  # the old sub-config's kwargs won
+        else:
+            sec[rest[0]] = value
+        moved.append(f"{old} moved to {new}")
+    o = sections["objective"]
+    for k in [k for k in (o.get("kwargs") or {}) if k in {f.name for f in dataclasses.fields(AlgoConfig)}]:
+        algo[k] = o["kwargs"].pop(k)
+        moved.append(f"algo.objective.kwargs.{k} moved to algo.{k} (several components read it)")
+        touched += ["objective"] if "objective" not in touched else []
+    algo.update({s: sections[s] for s in touched})
+    return {**data, "algo": algo}, moved, unread, touched
+
+
+def check_moved(data: dict) -> None:
+    """Refuse a config that names a key of MOVED, with its new form (ConfigError)."""
+    new, moved, unread, touched = _upgrade(data, saved=False)
+    if moved or unread:
+        form = "; ".join(f"algo.{s}: " + yaml.safe_dump(new["algo"][s], default_flow_style=True, sort_keys=False,
+                                                          width=1000).strip() for s in touched)
+        remove = f"; remove {', '.join(unread)}" if unread else ""
+        raise ConfigError(f"{', '.join(moved)}{remove} ({form})")
+
+
+def upgrade_saved(data: dict, where: str) -> dict:
+    """A run's saved config (config.json of an older mmrl) with its MOVED keys translated; a warning lists them."""
+    new, moved, unread, _ = _upgrade(data, saved=True)
+    if moved or unread:
+        log.warning("%s was saved by an older mmrl and is read with its moved keys translated: %s%s", where,
+                    ", ".join(moved), f"; unread, dropped: {', '.join(unread)}" if unread else "")
+    return new
+
+
+def build_dataclass(cls, data: dict, where: str):
+    """Instantiate dataclass `cls` from a dict with the schema's checks (unknown keys, types); `where` names it."""
+    return _build(cls, data, where)
 
 
 def _build(cls, data: dict, where: str):
@@ -136,9 +223,13 @@ def _merge(base: dict, over: dict) -> dict:
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML file (which may name `base: other.yaml`, relative to itself) <- key=value overrides.
     log.out_dir not set by the file itself (a base's does not count) nor an override: runs/<the file's name>, so a
-    config never writes into another config's run folder."""
+    config never writes into another config's run folder. A run's saved config.json has its MOVED keys translated;
+    any other config naming one is refused with the key's new form."""
     data = _load_yaml(path) if path else {}
+    if path and os.path.basename(path) == SAVED_CONFIG:
+        data = upgrade_saved(data, path)
     data = _merge(data, parse_overrides(overrides or []))
+    check_moved(data)
     if path and "out_dir" not in (_read_yaml(path).get("log") or {}) and \
             "out_dir" not in (parse_overrides(overrides or []).get("log") or {}):
         data.setdefault("log", {})["out_dir"] = os.path.join("runs", os.path.splitext(os.path.basename(path))[0])

@@ -19,6 +19,7 @@ import time
 
 from mmrl.checkpoint import checkpoints, latest
 from mmrl.config import Config, to_dict
+from mmrl.config_files import upgrade_saved
 from mmrl.errors import UserError
 from mmrl.preemption import restarted
 
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 
 RUN_FILES = ("metrics.jsonl", "results.json", "config.json", "checkpoints", "tb")
 # keys whose change makes the saved weights / optimizer state another experiment's: refused on --resume
-BREAKING = ("model.", "algo.policy_loss", "algo.objective.name", "algo.advantage", "algo.ratio", "algo.loss_agg", "algo.credit",
+BREAKING = ("model.", "algo.objective.name", "algo.advantage", "algo.ratio", "algo.loss_agg", "algo.credit",
             "train.ema_decay", "tree.")
 NOT_BREAKING = ("model.offload", "model.text_cache")
 QUIET = ("log.", "train.iterations", "train.time_budget_min")  # extending or relogging a run: no warning
@@ -65,7 +66,7 @@ def saved_config(out_dir: str) -> tuple[str, dict] | None:
             [os.path.join(out_dir, "config.json")]:
         try:
             with open(path) as f:
-                return path, json.load(f)
+                return path, upgrade_saved(json.load(f), path)  # an older mmrl's keys in their new places
         except (OSError, ValueError):
             continue
     return None

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from mmrl import checkpoint as ckpt
 from mmrl import compose
-from mmrl.algorithms import ADVANTAGES, CREDIT_ASSIGNMENTS, REWARD_SHAPINGS
+from mmrl.algorithms import ADVANTAGES, CREDIT_ASSIGNMENTS, build_shaping
 from mmrl.algorithms.objective import Batch, build_objective
 from mmrl.algorithms.offpolicy import injection_diagnostics
 from mmrl.config import Config, sample_chunk
@@ -161,7 +161,7 @@ class Trainer:
         with self.sampling_weights(it):
             rollout, rewards, valid, metrics = self.collect(random.Random(seed), torch.Generator().manual_seed(seed))
         metrics.update({f"reward/{k}_weight": w for k, w in (weights or {}).items()})
-        shaping = REWARD_SHAPINGS[a.reward_shaping]
+        shaping = build_shaping(a)  # algo.shaping with its knobs
         extra, stats = self.collect.contrast(rollout, seed) if getattr(shaping, "needs_contrast", False) else ((), {})
         metrics.update(stats)  # e.g. T-GRPO: the same prompts with shuffled frames, scored, never trained
         local = rollout
@@ -170,7 +170,7 @@ class Trainer:
                 rollout, rewards, valid, getattr(self.credit, "reads_extras", ()))
         extra = ((rollout.group_id, *extra),) if extra else ()
         metrics["rollout/actions_mean"] = rollout.action_mask.sum(-1).float().mean().item()  # tokens: completion length
-        shaped = shaping(rewards["overall"], a, *extra)
+        shaped = shaping(rewards["overall"], *extra)
         adv, adv_stats = self.credit({**rewards, "overall": shaped}, weights, rollout,
                                      valid, cfg, it)  # [N] or [N, A] (tree rollouts: per transition)
         self.watch(valid, adv, self.reward.last_error)

@@ -6,7 +6,7 @@ A pairs file is JSONL, one comparison per line, in either layout (image paths re
 Pick-a-Pic's ties (label_0 = 0.5) carry no preference and are skipped (counted in the log). Each example gives its
 two images as `outputs` [chosen, rejected] with `labels` [1, 0]: the flow policy encodes them as final samples
 instead of sampling (mmrl/policy/flow.py `_given`), `preference_label` pays each row its label, and
-algo.policy_loss=dpo trains each pair's winner against its loser (docs/algorithms.md §15). train.group_size = 2.
+algo.objective.name=dpo trains each pair's winner against its loser (docs/algorithms.md §15). train.group_size = 2.
 Evaluation generates from the held-out prompts and scores them with reward.eval_name.
 """
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mmrl.algorithms import POLICY_LOSSES
+from mmrl.algorithms.awm_anchored import AWMAnchoredKnobs
 from mmrl.config import AlgoConfig
 
 
@@ -18,7 +19,8 @@ def call(v, target, anchor, adv, old=None, beta=1.0, clip=10.0):
     ctx = SimpleNamespace(out=SimpleNamespace(stats={"velocity": v, "target": target}),
                           ref=SimpleNamespace(stats={"velocity": anchor}), group_id=torch.zeros(len(v)))
     old = logp.detach() if old is None else old
-    loss, stats = POLICY_LOSSES["awm_anchored"](logp, old, adv, AlgoConfig(nft_beta=beta, clip_range=clip), ctx)
+    knobs = AWMAnchoredKnobs(clip_range=clip, clip_range_high=None, clip_ratio_c=3.0, nft_beta=beta)
+    loss, stats = POLICY_LOSSES["awm_anchored"](logp, old, adv, knobs, ctx)
     return v, loss, stats
 
 
@@ -109,7 +111,7 @@ def test_trains_with_the_ema_anchor(tiny_pixel_model, tmp_path):
     from mmrl.compose import load_config
     from mmrl.trainer import Trainer
 
-    over = [f"model.path={tiny_pixel_model}", "algo.policy_loss=awm_anchored", "sampler.kind=ode",
+    over = [f"model.path={tiny_pixel_model}", "algo.objective.name=awm_anchored", "sampler.kind=ode",
             "algo.kl_reference=ema", "train.ema_decay=0.9", f"log.out_dir={tmp_path}", "log.tensorboard=false"]
     tr = Trainer(load_config("configs/tiny/flow_smoke.yaml", over))
     before = [p.detach().clone() for p in tr.params]
@@ -119,4 +121,4 @@ def test_trains_with_the_ema_anchor(tiny_pixel_model, tmp_path):
     with pytest.raises(ValueError, match="reference"):
         load_config("configs/tiny/flow_smoke.yaml", over + ["train.ema_decay=0"])
     cfg = load_config("configs/t2i/shapes_awm_anchored.yaml", [])
-    assert cfg.algo.policy_loss == "awm_anchored" and cfg.algo.clip_range == 1e-3 and cfg.train.ema_decay == 0.9
+    assert cfg.algo.objective.name == "awm_anchored" and cfg.algo.clip_range == 1e-3 and cfg.train.ema_decay == 0.9

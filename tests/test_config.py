@@ -1,11 +1,15 @@
 """Config loading, overrides and validation errors that name the fix."""
 
 import glob
+import json
 import os
+import re
 
 import pytest
 
+from mmrl.algorithms import POLICY_LOSSES
 from mmrl.compose import load_config
+from mmrl.config_files import MOVED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,7 +44,7 @@ def test_overrides_and_types():
     ("train.lrr=1", r"unknown config key 'train.lrr'.*Did you mean 'lr'"),
     ("trian.lr=1", r"unknown config key 'trian'.*valid keys: \['algo', 'log', 'model'"),
     ("algo.advantage=grpoo", r"algo.advantage: unknown advantage estimator 'grpoo'. Did you mean 'grpo'\? \(valid: \['dr_grpo', 'grpo'\]"),
-    ("algo.policy_loss=ppo", r"valid: \['awm', 'awm_anchored', 'dgpo', 'dpo', 'flow_dppo', 'nft', 'ppo_clip'\]"),
+    ("algo.objective.name=ppo", re.escape(f"valid: {sorted(POLICY_LOSSES)}")),  # the registry, not a list
     ("sampler.kind=ddpm", r"sampler.kind: invalid value 'ddpm'; valid: \['flow_grpo', 'dance', 'cps'\]"),
     ("reward.name=clip", r"reward.name: unknown reward 'clip'; valid: \[.*'shapes'"),
     ("train.group_size=1", r"need >= 2 samples per group"),
@@ -97,3 +101,52 @@ def test_an_override_whose_value_is_not_yaml_is_one_config_error():
 
     with pytest.raises(ConfigError, match=r"override 'reward.kwargs=\{strict_weight:': its value is not valid YAML"):
         load_config(None, ["reward.kwargs={strict_weight:"])
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_key_is_refused_naming_its_new_place(old):
+    """Every key of the MOVED table (mmrl/config_files.py), set as an older config sets it."""
+    value = {"algo.policy_loss": "nft", "algo.reward_shaping": "tempsamp"}.get(old, 2)
+    with pytest.raises(ValueError, match=re.escape(f"{old} moved to {MOVED[old][0]}")):
+        load_config(None, [f"{old}={value}"])
+
+
+def test_the_moved_message_is_the_new_form():
+    with pytest.raises(ValueError, match=re.escape("algo.nft_beta moved to algo.objective.kwargs.nft_beta "
+                                                   "(algo.objective: {name: nft, kwargs: {nft_beta: 2}})")):
+        load_config(None, ["algo.nft_beta=2"])
+    with pytest.raises(ValueError, match=re.escape("algo.reward_shaping moved to algo.shaping.name, algo.tgrpo_mu "
+                                                   "moved to algo.shaping.kwargs.mu (algo.shaping: {name: tgrpo, "
+                                                   "kwargs: {mu: 0.5}})")):
+        load_config(None, ["algo.reward_shaping=tgrpo", "algo.tgrpo_mu=0.5"])
+    cfg = load_config(None, ["algo.objective={name: nft, kwargs: {nft_beta: 2}}"])  # the form it names loads
+    assert cfg.algo.objective.name == "nft" and cfg.algo.objective.kwargs == {"nft_beta": 2}
+
+
+def test_an_older_runs_saved_config_is_translated_with_a_warning(tmp_path, caplog):
+    """config.json as mmrl saved it before the loss was named once: `mmrl eval` / checkpoint loading (load_config of
+    the file) and --resume (mmrl.runs.saved_config) read it with its keys in their new places, and a resume with the
+    same settings in today's form changes nothing."""
+    from mmrl.config import Config, to_dict
+    from mmrl.runs import config_changes, saved_config
+
+    old = to_dict(Config().validate())
+    algo = old["algo"]
+    del algo["shaping"]
+    algo["objective"] = {"name": None, "kwargs": {"clip_range": 0.01}}  # the old sub-config could override a knob
+    algo.update(policy_loss="awm_anchored", nft_beta=2.0, dpo_beta=2000.0, dgpo_beta=100.0, dppo_kl_threshold=1e-5,
+                tis_cap=0.0, sft_coef=0.0, reward_shaping="none", shaping_tau=0.8, shaping_alpha=1.0,
+                tgrpo_alpha=0.3, tgrpo_mu=0.8, tgrpo_threshold=0.5)
+    old["sampler"]["kind"], old["log"]["out_dir"] = "ode", str(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    cfg = load_config(str(tmp_path / "config.json"))
+    o = cfg.algo.objective
+    assert (o.name, o.kwargs, cfg.algo.clip_range) == ("awm_anchored", {"nft_beta": 2.0}, 0.01)
+    assert cfg.algo.shaping.name == "none" and "saved by an older mmrl" in caplog.text
+    assert "algo.dpo_beta=2000.0 (a knob of dpo, not of awm_anchored)" in caplog.text
+    today = load_config(None, [f"log.out_dir={tmp_path}", "sampler.kind=ode", "algo.clip_range=0.01",
+                               "algo.objective={name: awm_anchored, kwargs: {nft_beta: 2.0}}"])
+    assert config_changes(saved_config(str(tmp_path))[1], today) == []
+    (tmp_path / "old.yaml").write_text(json.dumps(old))  # the same keys in a config a person wrote: refused
+    with pytest.raises(ValueError, match="algo.policy_loss moved to algo.objective.name"):
+        load_config(str(tmp_path / "old.yaml"))

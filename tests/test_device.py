@@ -56,7 +56,7 @@ def test_the_fake_accelerator_catches_a_mix():
     ["algo.ratio=guard", "algo.weighting=tempflow+guard_dt", "sampler.sde_window_size=1", "sampler.shared_noise=true"],
     ["tree.split_steps=[0,1]", "tree.branch=2", "train.group_size=4", "algo.loss_agg=token_mean",
      "tree.width_prune=1", "tree.fusion=softmax"],
-    ["algo.policy_loss=nft", "sampler.kind=ode", "train.micro_batch=3"],
+    ["algo.objective.name=nft", "sampler.kind=ode", "train.micro_batch=3"],
     ["sampler.ode_solver=dpm2m", "sampler.ode_stride=2", "algo.kl_coef=0.1", "algo.kl=flow_velocity",
      "algo.kl_reference=ema", "train.ema_decay=0.5", "sampler.window_schedule=sliding"],
 ])
@@ -68,7 +68,7 @@ def test_flow_step_on_an_accelerator(tiny_pixel_model, tmp_path, items):
 @pytest.mark.parametrize("items", [
     [],
     ["model.lora.enabled=true", "model.lora.rank=4", "model.reference=auto", "algo.kl_coef=0.1", "algo.kl=k3"],
-    ["algo.offpolicy=ground_truth", "algo.reward_shaping=tempsamp", "algo.sft_coef=1.0", "algo.ratio=gspo"],
+    ["algo.offpolicy=ground_truth", "algo.shaping.name=tempsamp", "algo.objective.sft_coef=1.0", "algo.ratio=gspo"],
     ["sampler.engine=hf", "model.shared_prefix=false", "algo.dynamic_sampling=true"],
     ["train.gradient_checkpointing=true", "train.micro_batch=2"],  # with the default shared-prefix scoring
 ])

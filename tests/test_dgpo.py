@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from mmrl.algorithms import POLICY_LOSSES
-from mmrl.config import AlgoConfig
+from mmrl.algorithms.dgpo import DGPOKnobs
 
 
 def call(l_theta, l_ref, adv, gid, old=None, beta=2.0, clip=10.0):
     logp = (-l_theta).clone().requires_grad_()
     ctx = SimpleNamespace(ref=SimpleNamespace(log_prob=-l_ref), group_id=gid)
     old = logp.detach() if old is None else old
-    loss, s = POLICY_LOSSES["dgpo"](logp, old, adv, AlgoConfig(dgpo_beta=beta, clip_range=clip), ctx)
+    loss, s = POLICY_LOSSES["dgpo"](logp, old, adv, DGPOKnobs(clip_range=clip, dgpo_beta=beta), ctx)
     return logp, loss, s
 
 
@@ -56,7 +56,7 @@ def test_dgpo_trains_and_refuses_partial_groups(tiny_pixel_model, tmp_path):
     from mmrl.compose import load_config
     from mmrl.trainer import Trainer
 
-    over = [f"model.path={tiny_pixel_model}", "algo.policy_loss=dgpo", "sampler.kind=ode", "model.reference=auto",
+    over = [f"model.path={tiny_pixel_model}", "algo.objective.name=dgpo", "sampler.kind=ode", "model.reference=auto",
             "train.minibatches=1", f"log.out_dir={tmp_path}", "log.tensorboard=false"]
     tr = Trainer(load_config("configs/tiny/flow_smoke.yaml", over))
     before = [p.detach().clone() for p in tr.params]

@@ -102,7 +102,7 @@ def test_tgrpo_contrast_under_fsdp_with_micro_batches_ends_where_one_process_end
     splits the samples, so the contrast rewards decide which groups get the bonus (the test's numbers depend on
     them); 1e-5 as for the token policy above (prompts padded differently in smaller batches)."""
     opts = ["--world", tiny_world, "--set", "reward.name=dist_train:completion_length", "reward.kwargs={}",
-            "algo.reward_shaping=tgrpo", "algo.tgrpo_threshold=16", "train.micro_batch=2", "train.prompts_per_iter=3",
+            "algo.shaping.name=tgrpo", "algo.shaping.kwargs.threshold=16", "train.micro_batch=2", "train.prompts_per_iter=3",
             "train.group_size=4"]
     one = run(tiny_vl, str(tmp_path / "one" / "vl.safetensors"), "--parallel", "none", "--steps", "1", *opts)
     assert one.returncode == 0, one.stderr[-3000:]

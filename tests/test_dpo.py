@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import torch
 
 from mmrl.algorithms import POLICY_LOSSES
-from mmrl.config import AlgoConfig
+from mmrl.algorithms.dpo import DPOKnobs
 
 
 def test_dpo_by_hand():
@@ -16,7 +16,7 @@ def test_dpo_by_hand():
     adv = torch.tensor([0.1, 1.2, -1.3, 0.0, 0.0])
     logp = (-l_theta).clone().requires_grad_()
     ctx = SimpleNamespace(ref=SimpleNamespace(log_prob=-l_ref), group_id=torch.tensor([0, 0, 0, 1, 1]))
-    loss, s = POLICY_LOSSES["dpo"](logp, logp.detach(), adv, AlgoConfig(dpo_beta=10.0), ctx)
+    loss, s = POLICY_LOSSES["dpo"](logp, logp.detach(), adv, DPOKnobs(dpo_beta=10.0), ctx)
     z = -(10 / 2) * ((0.30 - 0.40) - (0.60 - 0.50))                        # = 1.0
     expected = -math.log(1 / (1 + math.exp(-z)))                          # -log sigmoid(1) = 0.313262
     torch.testing.assert_close(loss.detach(), torch.tensor([[0.0], [expected], [0.0], [0.0], [0.0]]))
@@ -32,7 +32,7 @@ def test_online_dpo_trains(tiny_pixel_model, tmp_path):
     from mmrl.trainer import Trainer
 
     tr = Trainer(load_config("configs/tiny/flow_smoke.yaml", [
-        f"model.path={tiny_pixel_model}", "algo.policy_loss=dpo", "sampler.kind=ode", "model.reference=auto",
+        f"model.path={tiny_pixel_model}", "algo.objective.name=dpo", "sampler.kind=ode", "model.reference=auto",
         "train.minibatches=1", f"log.out_dir={tmp_path}", "log.tensorboard=false", "train.inner_epochs=2"]))
     before = [p.detach().clone() for p in tr.params]
     m = tr.step(0)

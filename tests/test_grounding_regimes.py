@@ -180,8 +180,8 @@ def test_reward_only_configs_show_no_span():
 
     for name, coarse in (("regime_c_bit", "bit"), ("regime_c_bucket", "bucket")):
         cfg = compose.load_config(os.path.join(ROOT, "configs/grounding", name + ".yaml"))
-        assert cfg.algo.offpolicy == "none" and cfg.algo.sft_coef == 0 and cfg.reward.kwargs["coarse"] == coarse
-        assert cfg.algo.reward_shaping == "none" and cfg.reward.eval_name == "grounding"
+        assert cfg.algo.offpolicy == "none" and cfg.algo.objective.sft_coef == 0 and cfg.reward.kwargs["coarse"] == coarse
+        assert cfg.algo.shaping.name == "none" and cfg.reward.eval_name == "grounding"
         assert "coarse" not in cfg.reward.eval_kwargs and cfg.task.kwargs.get("ood") is True
         assert compose.build_reward(cfg.reward.name, cfg.reward.kwargs).coarse == coarse
 

@@ -85,12 +85,10 @@ def test_constant_baseline_is_fit_on_train_and_scored_on_eval():
 
 
 def test_tempsamp_shaping_by_hand():
-    from mmrl.algorithms.shaping import REWARD_SHAPINGS
-    from mmrl.config import AlgoConfig
+    from mmrl.algorithms.shaping import REWARD_SHAPINGS, TempSampKnobs
 
-    cfg = AlgoConfig(shaping_tau=0.8, shaping_alpha=1.0)
     r = torch.tensor([1.0, 0.8, 0.3, 0.0])
-    out = REWARD_SHAPINGS["tempsamp"](r, cfg)
+    out = REWARD_SHAPINGS["tempsamp"](r, TempSampKnobs(tau=0.8, alpha=1.0))
     want = [0.8 + 0.01 * math.log(1.2), 0.8, 0.8 - (math.exp(0.5) - 1) / (math.e - 1),
             0.8 - (math.exp(0.8) - 1) / (math.e - 1)]
     assert out.tolist() == pytest.approx(want, abs=1e-6)

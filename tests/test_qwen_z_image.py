@@ -61,7 +61,7 @@ def test_sampler_reproduces_the_pipeline(pipe_dir):
 @pytest.mark.parametrize("loss", ["ppo_clip", "nft"])
 def test_policy_contract_with_lora(pipe_dir, loss):
     name, path = pipe_dir
-    pol = policy(name, path, f"algo.policy_loss={loss}")
+    pol = policy(name, path, f"algo.objective.name={loss}")
     lora = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in pol.transformer.named_parameters() if "lora_A" in n}
     assert lora >= ({"to_q", "add_q_proj", "proj"} if name == "qwen_image" else {"to_q", "to_k", "to_v"})
     assert check_policy(pol, PROMPTS, 2)["max_ratio_error"] < 1e-5

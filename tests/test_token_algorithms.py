@@ -165,7 +165,7 @@ def test_shuffled_frames_reach_the_model_and_tgrpo_trains(tiny_vl, tiny_world, t
 
     tr = Trainer(load_config("configs/tiny/vlm_smoke.yaml", [
         f"model.path={tiny_vl}", f"task.kwargs.root={tiny_world}", "task.kwargs.train_videos=6",
-        "task.kwargs.test_videos=3", "algo.reward_shaping=tgrpo", "log.eval_at_start=false",
+        "task.kwargs.test_videos=3", "algo.shaping.name=tgrpo", "log.eval_at_start=false",
         f"log.out_dir={tmp_path}", "log.tensorboard=false"]))
     ex = tr.task.sample(1, random.Random(0))[0]
     plain, shuffled = tr.policy.encode_prompt(ex), tr.policy.encode_prompt({**ex, "shuffle_frames": 3})
@@ -203,7 +203,7 @@ def test_prefix_cache_engine_log_probs_and_tis_in_training(tiny_vl, tiny_world, 
             "task.kwargs.test_videos=3", "train.minibatches=1", f"log.out_dir={tmp_path / out}",
             "log.tensorboard=false", *over]))
 
-    tr = trainer("a", "algo.tis_cap=2")
+    tr = trainer("a", "algo.objective.tis_cap=2")
     exs = tr.task.sample(2, random.Random(0))
     tr.policy.defer_old_log_prob = False
     ro = tr.policy.sample(exs, 3, torch.Generator().manual_seed(0))
@@ -216,7 +216,7 @@ def test_prefix_cache_engine_log_probs_and_tis_in_training(tiny_vl, tiny_world, 
     adv = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.7, -1.0])
     grads = []
     for shift in (0.0, math.log(2.0)):  # the engine's log-probs as they are, then 2x likelier: w = 1/2
-        t = trainer(f"b{shift}", "algo.tis_cap=2", "train.max_grad_norm=1e9")  # no clipping: grads compare
+        t = trainer(f"b{shift}", "algo.objective.tis_cap=2", "train.max_grad_norm=1e9")  # no clipping: grads compare
         t.opt.step, t.opt.zero_grad = (lambda: None), (lambda set_to_none=True: None)
         r = ro.select(torch.arange(6))
         r.extras["rollout_log_prob"] = r.extras["rollout_log_prob"] + shift
@@ -227,4 +227,4 @@ def test_prefix_cache_engine_log_probs_and_tis_in_training(tiny_vl, tiny_world, 
     scale = max(g.abs().max().item() for g in grads[0])
     assert scale > 0 and max((a - 2 * b).abs().max().item() for a, b in zip(*grads)) < 1e-4 * scale
     with pytest.raises(ValueError, match="sampler.engine=hf does not record"):
-        load_config("configs/tiny/vlm_smoke.yaml", [f"model.path={tiny_vl}", "sampler.engine=hf", "algo.tis_cap=2"])
+        load_config("configs/tiny/vlm_smoke.yaml", [f"model.path={tiny_vl}", "sampler.engine=hf", "algo.objective.tis_cap=2"])

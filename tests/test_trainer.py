@@ -93,8 +93,8 @@ def test_minibatch_split_gives_the_full_batch_gradient(tiny_pixel_model, tmp_pat
     [],
     ["algo.kl_coef=0.1", "algo.ratio=guard", "algo.weighting=tempflow+guard_dt", "algo.loss_agg=token_mean"],
     ["algo.advantage=dr_grpo", "algo.loss_agg=seq_sum_norm", "model.lora.enabled=true", "model.lora.rank=4"],
-    ["algo.policy_loss=nft", "sampler.kind=ode", "sampler.forward_timesteps=3"],
-    ["algo.policy_loss=awm", "algo.kl_coef=0.1", "algo.kl=flow_velocity", "sampler.ode_solver=dpm2m"],
+    ["algo.objective.name=nft", "sampler.kind=ode", "sampler.forward_timesteps=3"],
+    ["algo.objective.name=awm", "algo.kl_coef=0.1", "algo.kl=flow_velocity", "sampler.ode_solver=dpm2m"],
 ])
 def test_micro_batches_give_the_whole_minibatch_gradient(tiny_pixel_model, tmp_path, items):
     """train.micro_batch=4 transitions (a sample's 3 trained steps split across parts, with CFG) accumulates the
@@ -131,7 +131,7 @@ def test_sft_coef_adds_the_nll_of_the_injected_rows(tiny_pixel_model, tmp_path):
     """With zero advantages the PPO term has no gradient, so the step's gradient is exactly that of
     sft_coef x sum over injected rows of their mean per-action NLL / N (seq_mean_token_mean)."""
     tr = Trainer(cfg_for(tiny_pixel_model, tmp_path, "train.minibatches=2", "train.grad_accum=2",
-                         "algo.offpolicy=ground_truth", "algo.sft_coef=2.5"))
+                         "algo.offpolicy=ground_truth", "algo.objective.sft_coef=2.5"))
     ro = tr.policy.sample([{"prompt": "a red circle"}, {"prompt": "two squares"}], 3, torch.Generator().manual_seed(0))
     ro.is_offpolicy = torch.tensor([False, False, True, False, False, True])  # one "injected" row per group
     grads, m = optimize_capturing_grads(tr, ro, torch.zeros(len(ro)))
@@ -190,8 +190,8 @@ def test_pairwise_multi_gdpo_remote_and_overlap_through_the_trainer(tiny_pixel_m
     (["algo.reward_aggregation=gdpo"], "reward.name=multi"),
     (["algo.reward_aggregation=gpdo"], "Did you mean 'gdpo'"),
     (["reward.workers=-1"], "reward.workers"),
-    (["algo.sft_coef=1.0"], "algo.offpolicy=ground_truth"),
-    (["algo.sft_coef=-1.0"], "algo.sft_coef"),
+    (["algo.objective.sft_coef=1.0"], "algo.offpolicy=ground_truth"),
+    (["algo.objective.sft_coef=-1.0"], "algo.objective.sft_coef"),
 ])
 def test_reward_config_errors_name_the_fix(tiny_pixel_model, tmp_path, items, match):
     with pytest.raises(ValueError, match=match):

@@ -88,7 +88,7 @@ def test_vllm_engines_under_torchrun_train_in_sync(tiny_lm, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONPATH": root,
            "VLLM_CPU_KVCACHE_SPACE": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        os.path.join(root, "tests/workers/vllm_dist.py"), tiny_lm, str(out), "algo.tis_cap=2"],
+                        os.path.join(root, "tests/workers/vllm_dist.py"), tiny_lm, str(out), "algo.objective.tis_cap=2"],
                        cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.load(open(out))

@@ -15,7 +15,7 @@ DiffusionNFT's implicit negative policy around an anchor velocity v_a, fitted to
 with v_a = sg(v_ref(x_t, t)), the reference policy's velocity at the same x_t (`needs_reference`; the shipped
 config, configs/t2i/shapes_awm_anchored.yaml, makes the reference the EMA of the trained weights: algo.kl_reference
 = ema, train.ema_decay = 0.9 per optimizer step, as the earlier awm_ema_kl arm; model.reference=auto anchors it at
-the frozen base instead), beta = algo.nft_beta (1, NFT's setting).
+the frozen base instead), beta = knobs.nft_beta (algo.objective.kwargs.nft_beta; 1, NFT's setting).
 
 Why this form. d l(v-)/d v_theta = -beta (2/D) (v- - target), so the negative term's gradient is
 
@@ -39,21 +39,33 @@ Needs ctx.out.stats "velocity" and "target" [n, A, *D] (the flow policy's forwar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from mmrl.algorithms.losses import POLICY_LOSSES, _per_action, ppo_clip
+from mmrl.algorithms.losses import POLICY_LOSSES, PPOKnobs, _per_action, ppo_clip
 from mmrl.errors import ConfigError
 
 
-def awm_anchored(log_prob, old_log_prob, advantages, cfg, ctx):
+@dataclass
+class AWMAnchoredKnobs(PPOKnobs):
+    """AWM's trust region (algo.clip_range ..., shared) and the anchored negative branch's beta (NFT's, default 1)."""
+    nft_beta: float = 1.0
+
+    def __post_init__(self):
+        if self.nft_beta <= 0:
+            raise ConfigError(f"algo.objective.kwargs.nft_beta must be > 0, got {self.nft_beta}")
+
+
+def awm_anchored(log_prob, old_log_prob, advantages, knobs: AWMAnchoredKnobs, ctx):
     """(loss [n, A], stats). log_prob = -l(v_theta) [n, A]; ctx.out.stats velocity / target [n, A, *D];
     ctx.ref.stats velocity [n, A, *D] (the anchor)."""
     if ctx.ref is None:
         raise ConfigError("awm_anchored anchors its negative branch at the reference's velocity: set model.reference="
                           "auto (the frozen base), or train.ema_decay > 0 with algo.kl_reference=ema")
     adv = _per_action(advantages, log_prob)
-    positive, stats = ppo_clip(log_prob, old_log_prob, adv.clamp(min=0), cfg)   # AWM's term; 0 where A <= 0
-    s, beta = ctx.out.stats, cfg.nft_beta
+    positive, stats = ppo_clip(log_prob, old_log_prob, adv.clamp(min=0), knobs)  # AWM's term; 0 where A <= 0
+    s, beta = ctx.out.stats, knobs.nft_beta
     v, target = s["velocity"].float(), s["target"].float()
     anchor = ctx.ref.stats["velocity"].detach().float().to(v.device)
     v_neg = (1 + beta) * anchor - beta * v
@@ -69,7 +81,7 @@ def awm_anchored(log_prob, old_log_prob, advantages, cfg, ctx):
 
 
 awm_anchored.objective = "forward"
-awm_anchored.knobs = ("clip_range", "clip_range_high", "nft_beta")
+awm_anchored.knobs = AWMAnchoredKnobs
 awm_anchored.needs_output = True
 awm_anchored.needs_reference = True
 POLICY_LOSSES.register("awm_anchored")(awm_anchored)

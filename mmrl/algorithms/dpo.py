@@ -7,7 +7,7 @@ the one with the lowest the loser l; per noise level j
 
     L = -log sigmoid(-(beta / 2) [(l_theta(w) - l_ref(w)) - (l_theta(l) - l_ref(l))])
 
-(the reference code's form, T folded into beta; beta = algo.dpo_beta, 2000-5000 in the SD recipes). The other rows
+(the reference code's form, T folded into beta; beta = knobs.dpo_beta, 2000-5000 in the SD recipes). The other rows
 of the group carry no loss; a group whose rewards are all equal has no pair. The loss is put on the winner's row
 (so the trainer's aggregation, which averages over rows, sees it once per group) and the statistics on both. A pass
 must hold whole groups (as DGPO). Offline, on pairs from a preference file (Pick-a-Pic style), the same loss trains
@@ -16,12 +16,19 @@ on groups of the two given images (task.name=preference_pairs, tasks/preference.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mmrl.algorithms.losses import POLICY_LOSSES
 
 
-def dpo(log_prob, old_log_prob, advantages, cfg, ctx):
+@dataclass
+class DPOKnobs:
+    dpo_beta: float = 2000.0      # beta (T folded in); Diffusion-DPO's SD recipes: 2000-5000
+
+
+def dpo(log_prob, old_log_prob, advantages, knobs: DPOKnobs, ctx):
     """(loss [n, A], stats). log_prob = -l_theta [n, A]; ctx.ref.log_prob = -l_ref; ctx.group_id [n]."""
     gap = (ctx.ref.log_prob.to(log_prob) - log_prob)              # l_theta - l_ref  [n, A]
     adv = advantages if advantages.dim() == 1 else advantages.mean(-1)
@@ -34,7 +41,7 @@ def dpo(log_prob, old_log_prob, advantages, cfg, ctx):
         if len(rows) < 2 or a.max() <= a.min():
             continue
         w, lo = rows[a.argmax()], rows[a.argmin()]
-        z = -(cfg.dpo_beta / 2) * (gap[w] - gap[lo])              # [A]
+        z = -(knobs.dpo_beta / 2) * (gap[w] - gap[lo])              # [A]
         loss = loss.index_put((w,), -torch.nn.functional.logsigmoid(z))
         margin = margin.index_put((w,), z.detach()).index_put((lo,), z.detach())
         pair[w] = pair[lo] = True
@@ -43,7 +50,7 @@ def dpo(log_prob, old_log_prob, advantages, cfg, ctx):
 
 
 dpo.objective = "forward"
-dpo.knobs = ("dpo_beta",)
+dpo.knobs = DPOKnobs
 dpo.needs_output = True
 dpo.needs_reference = True
 dpo.needs_whole_groups = True

@@ -1,6 +1,8 @@
 """Per-action policy losses and loss aggregation (docs/algorithms.md §2). Registries: POLICY_LOSSES, LOSS_AGG.
 
-Policy loss: `fn(log_prob [n, A], old_log_prob [n, A], advantages [n] | [n, A], cfg) -> (loss [n, A], stats)`.
+Policy loss: `fn(log_prob [n, A], old_log_prob [n, A], advantages [n] | [n, A], knobs) -> (loss [n, A], stats)`, with
+`knobs` an instance of the dataclass declared beside it (`fn.knobs`; mmrl/algorithms/knobs.py), built from
+algo.objective.kwargs and the algo.* keys it shares with other components.
 Aggregation: `fn(loss [n, A], mask [n, A], num_samples, num_actions) -> scalar`, where num_samples /
 num_actions are the sizes the loss is normalized by (explicit, so data-parallel layouts cannot change it).
 """
@@ -12,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mmrl.errors import ConfigError
 from mmrl.registry import Registry
 
 POLICY_LOSSES = Registry("policy loss")
@@ -32,20 +35,28 @@ def _per_action(adv: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return adv.unsqueeze(-1).expand_as(like) if adv.dim() == 1 else adv
 
 
+@dataclass
+class PPOKnobs:
+    """PPO's trust region, shared by the ratio-clipped losses: each is an algo.* key (AlgoConfig documents them)."""
+    clip_range: float             # algo.clip_range: eps
+    clip_range_high: float | None  # algo.clip_range_high: DAPO clip-higher; None = clip_range
+    clip_ratio_c: float           # algo.clip_ratio_c: dual-clip bound; 0 = off
+
+
 @POLICY_LOSSES.register("ppo_clip")
-def ppo_clip(log_prob, old_log_prob, advantages, cfg):
+def ppo_clip(log_prob, old_log_prob, advantages, knobs: PPOKnobs):
     """L = -min(r A, clip(r, 1 - eps_lo, 1 + eps_hi) A), r = exp(logp - logp_old) per action.
-    eps_hi = cfg.clip_range_high (DAPO clip-higher) or cfg.clip_range. Dual-clip (Ye et al. 2020, arXiv 1912.09729;
-    verl's core_algos.compute_policy_loss, clip_ratio_c): for A < 0 the loss is min(L, -c A), c = cfg.clip_ratio_c
+    eps_hi = knobs.clip_range_high (DAPO clip-higher) or knobs.clip_range. Dual-clip (Ye et al. 2020, arXiv 1912.09729;
+    verl's core_algos.compute_policy_loss, clip_ratio_c): for A < 0 the loss is min(L, -c A), c = knobs.clip_ratio_c
     (0 = off), so a far-off-policy action with r > c and a negative advantage stops pulling (its gradient is 0)."""
     adv = _per_action(advantages, log_prob)
-    eps_lo = cfg.clip_range
-    eps_hi = cfg.clip_range_high if cfg.clip_range_high is not None else cfg.clip_range
+    eps_lo = knobs.clip_range
+    eps_hi = knobs.clip_range_high if knobs.clip_range_high is not None else knobs.clip_range
     ratio = torch.exp(log_prob - old_log_prob)
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - eps_lo, 1 + eps_hi) * adv
     loss = -torch.minimum(unclipped, clipped)                                      # [n, A]
-    c = cfg.clip_ratio_c
+    c = knobs.clip_ratio_c
     if c:
         loss = torch.where(adv < 0, torch.minimum(loss, -adv * c), loss)
     with torch.no_grad():
@@ -56,7 +67,7 @@ def ppo_clip(log_prob, old_log_prob, advantages, cfg):
     return loss, stats
 
 
-ppo_clip.knobs = ("clip_range", "clip_range_high", "clip_ratio_c")
+ppo_clip.knobs = PPOKnobs
 
 
 @LOSS_AGG.register("seq_mean_token_mean")
@@ -94,16 +105,16 @@ def seq_sum_norm(loss, mask, num_samples, num_actions):
 # `needs_reference` that the run keeps a reference; `needs_whole_groups` that a pass must hold whole groups.
 
 
-def awm(log_prob, old_log_prob, advantages, cfg):
+def awm(log_prob, old_log_prob, advantages, knobs: PPOKnobs):
     """Advantage Weighted Matching (AWM, arXiv 2509.25050): the flow-matching loss of each sample weighted by its
     advantage. The forward-process "log-prob" is -l, l = mean_d (v_theta(x_t, t) - (eps - x0))^2, so the policy
     gradient of -A * logp is A * grad l (good samples' matching loss goes down, bad ones' up); the ratio
     exp(l_old - l) is clipped as in PPO (algo.clip_range) to bound each update."""
-    return ppo_clip(log_prob, old_log_prob, advantages, cfg)
+    return ppo_clip(log_prob, old_log_prob, advantages, knobs)
 
 
 awm.objective = "forward"
-awm.knobs = ppo_clip.knobs
+awm.knobs = PPOKnobs
 POLICY_LOSSES.register("awm")(awm)
 
 
@@ -118,7 +129,18 @@ def _x0_error(d: torch.Tensor) -> torch.Tensor:
     return d.pow(2).mean(-1) / d.detach().abs().mean(-1).clamp(min=1e-5)
 
 
-def nft(log_prob, old_log_prob, advantages, cfg, ctx):
+@dataclass
+class NFTKnobs:
+    """DiffusionNFT's knobs (arXiv 2509.16117; the reference's default beta = 1)."""
+    adv_clip: float               # algo.adv_clip (shared with the advantage estimators): c, A's normalization
+    nft_beta: float = 1.0         # how far the implicit policies v+ / v- sit from v_old; > 0
+
+    def __post_init__(self):
+        if self.nft_beta <= 0:
+            raise ConfigError(f"algo.objective.kwargs.nft_beta must be > 0, got {self.nft_beta}")
+
+
+def nft(log_prob, old_log_prob, advantages, knobs: NFTKnobs, ctx):
     """DiffusionNFT (arXiv 2509.16117): implicit positive / negative policies around the old (sampling) velocity,
 
         v+ = (1 - beta) v_old + beta v_theta,   v- = (1 + beta) v_old - beta v_theta,
@@ -129,7 +151,7 @@ def nft(log_prob, old_log_prob, advantages, cfg, ctx):
 
     r = nft_optimality(A, c). Good samples (r > 1/2) pull v_theta towards their x0, bad ones push it away. Needs
     ctx.out.stats "velocity", "old_velocity", "target" (eps - x0) [n, A, *D] and "sigma" (t) [n, A]."""
-    s, beta, c = ctx.out.stats, cfg.nft_beta, cfg.adv_clip
+    s, beta, c = ctx.out.stats, knobs.nft_beta, knobs.adv_clip
     r = nft_optimality(_per_action(advantages, log_prob), c)                                 # [n, A]
     v, v_old = s["velocity"].float(), s["old_velocity"].float()
     t = s["sigma"].float().reshape(*s["sigma"].shape, *([1] * (v.dim() - 2)))                 # [n, A, 1...]
@@ -141,6 +163,6 @@ def nft(log_prob, old_log_prob, advantages, cfg, ctx):
 
 
 nft.objective = "forward"
-nft.knobs = ("nft_beta", "adv_clip")
+nft.knobs = NFTKnobs
 nft.needs_output = True
 POLICY_LOSSES.register("nft")(nft)

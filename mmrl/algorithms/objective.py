@@ -1,36 +1,37 @@
 """The objective: what a training pass minimizes, composed of terms; the trainer runs it without knowing any by name.
 
     loss [n, A] = terms applied in order to the pass's `Batch`:
-        policy loss (POLICY_LOSSES: ppo_clip, awm, nft, dgpo, dpo, flow_dppo, or a user's own)
+        policy loss (algo.objective.name: ppo_clip, awm, nft, dgpo, dpo, flow_dppo, ... or a user's own)
       + kl_coef KL(pi || pi_ref)                       (algo.kl_coef > 0; KL_ESTIMATORS)
       x weights                                        (algo.weighting: tempflow, guard_dt, ...; WEIGHTINGS)
-      x min(pi_old / pi_engine, C)                     (algo.tis_cap > 0; truncated importance sampling)
-      - sft_coef log pi(injected rows' actions)        (algo.sft_coef > 0; the supervised anchor)
+      x min(pi_old / pi_engine, C)                     (algo.objective.tis_cap > 0; truncated importance sampling)
+      - sft_coef log pi(injected rows' actions)        (algo.objective.sft_coef > 0; the supervised anchor)
     scalar = LOSS_AGG[algo.loss_agg](loss, mask, num_samples, num_actions)
 
 Each term declares what it needs (`needs_reference`: the reference policy's outputs on the same actions;
 `needs_whole_groups`: a pass holds whole groups; `actions`: which actions it trains on, "transitions" (sampling
 steps, tokens) or "forward" (noise levels of the final samples; the flow policy then records those)) and returns
 its per-action loss and named statistics ([n, A] tensors averaged over the pass's actions, or (values, mask) pairs
-averaged over mask). The policy loss is chosen by `algo.policy_loss`, or with its own knobs by the sub-config
+averaged over mask). The policy loss is named once, with its own knobs:
 
     algo:
-      objective: {name: dgpo, kwargs: {dgpo_beta: 50.0, clip_range: 0.01}}
+      objective: {name: dgpo, kwargs: {dgpo_beta: 50.0}}
 
-whose kwargs are the knobs the loss declares (`fn.knobs`, validated at load like a reward's kwargs; the ones not
-given keep their algo.* values). docs/algorithms.md gives each term's formula; docs/extending.md a user's own.
+whose kwargs are fields of the dataclass the loss declares beside it (`fn.knobs = DGPOKnobs`; unset ones keep its
+defaults; checked at load, mmrl/algorithms/knobs.py); the knobs several components read (clip_range,
+clip_range_high, clip_ratio_c, adv_clip) are algo.* keys. docs/algorithms.md gives each term's formula;
+docs/extending.md a user's own.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
 
 from mmrl.algorithms.kl import KL_ESTIMATORS
+from mmrl.algorithms.knobs import build_knobs
 from mmrl.algorithms.losses import LOSS_AGG, POLICY_LOSSES, LossContext
 from mmrl.algorithms.ratio import RATIO_TRANSFORMS
 from mmrl.algorithms.weighting import WEIGHTINGS, truncated_is
@@ -54,7 +55,7 @@ class Batch:
 class PolicyLoss:
     """The main term: fn(log_prob, old_log_prob, advantages, knobs[, LossContext]) -> (loss [n, A], stats)."""
     fn: Callable
-    knobs: Any  # a namespace of the loss's parameters (clip_range, nft_beta, ...)
+    knobs: Any  # an instance of fn.knobs (the loss's dataclass: NFTKnobs, PPOKnobs ...), or None
 
     @property
     def needs_reference(self) -> bool:
@@ -101,9 +102,9 @@ class TruncatedIS:
 
     def __call__(self, loss, b: Batch):
         if "rollout_log_prob" not in b.rows.extras:
-            raise ConfigError(f"algo.tis_cap={self.cap}: this policy's sampling engine records no log-probs of its "
-                              f"own (rollout.extras['rollout_log_prob']); use sampler.engine=prefix_cache or vllm, "
-                              f"or set algo.tis_cap=0")
+            raise ConfigError(f"algo.objective.tis_cap={self.cap}: this policy's sampling engine records no log-probs "
+                              f"of its own (rollout.extras['rollout_log_prob']); use sampler.engine=prefix_cache or "
+                              f"vllm, or set algo.objective.tis_cap=0")
         w, truncated = truncated_is(b.old_log_prob, b.rows.extras["rollout_log_prob"].to(loss.device), self.cap)
         return loss * w, {"tis_weight": w, "tis_truncated": truncated}
 
@@ -149,46 +150,16 @@ class Objective:
         return LOSS_AGG[self.loss_agg](loss, mask, num_samples, num_actions)
 
 
-def loss_name(algo) -> str:
-    """The policy loss a config trains with: algo.objective.name, else algo.policy_loss."""
-    return algo.objective.name or algo.policy_loss
-
-
 def build_objective(algo) -> Objective:
-    """The objective of config section `algo` (mmrl.config.AlgoConfig)."""
-    fn = POLICY_LOSSES[loss_name(algo)]
-    knobs = SimpleNamespace(**{f.name: getattr(algo, f.name) for f in dataclasses.fields(algo)})
-    for key, value in (algo.objective.kwargs or {}).items():  # the sub-config's knobs (checked by check_knobs)
-        setattr(knobs, key, value)
-    terms = [PolicyLoss(fn, knobs)]
+    """The objective of config section `algo` (mmrl.config.AlgoConfig); ConfigError for kwargs its loss lacks."""
+    o = algo.objective
+    fn = POLICY_LOSSES[o.name]
+    terms = [PolicyLoss(fn, build_knobs(fn, o.name, o.kwargs, "algo.objective", algo))]
     if algo.kl_coef > 0:
         terms.append(KLPenalty(algo.kl, algo.kl_coef))
     terms += [Weighting(name) for name in algo.weighting.split("+") if name != "none"]
-    if algo.tis_cap:
-        terms.append(TruncatedIS(algo.tis_cap))
-    if algo.sft_coef > 0:
-        terms.append(SupervisedAnchor(algo.sft_coef))
+    if o.tis_cap:
+        terms.append(TruncatedIS(o.tis_cap))
+    if o.sft_coef > 0:
+        terms.append(SupervisedAnchor(o.sft_coef))
     return Objective(terms, algo.ratio, algo.loss_agg)
-
-
-def check_knobs(algo) -> None:
-    """algo.objective.kwargs must be knobs its loss declares (`fn.knobs`); ValueError naming the valid ones."""
-    kwargs = algo.objective.kwargs or {}
-    if algo.objective.name and algo.policy_loss not in ("ppo_clip", algo.objective.name):
-        raise ConfigError(f"algo.objective.name={algo.objective.name} and algo.policy_loss={algo.policy_loss} name "
-                          f"two losses: set one (a base config may set the other)")
-    if kwargs and not algo.objective.name:
-        raise ConfigError("algo.objective.kwargs without algo.objective.name: name the objective they belong to")
-    if not kwargs:
-        return
-    knobs = getattr(POLICY_LOSSES[algo.objective.name], "knobs", ())
-    unknown = sorted(set(kwargs) - set(knobs))
-    if unknown:
-        raise ConfigError(f"algo.objective.kwargs: {unknown} are not knobs of objective {algo.objective.name!r}; "
-                          f"its knobs: {sorted(knobs) or 'none'}")
-    default = type(algo)()
-    twice = [k for k in kwargs if hasattr(algo, k) and getattr(algo, k) != getattr(default, k)
-             and getattr(algo, k) != kwargs[k]]
-    if twice:  # e.g. a base config's objective kwargs and an algo.<knob>=... override
-        raise ConfigError(f"{', '.join(f'algo.{k}={getattr(algo, k)!r}' for k in twice)} and algo.objective.kwargs "
-                          f"{ {k: kwargs[k] for k in twice} } set the same knob twice: set it in algo.objective.kwargs")

@@ -7,7 +7,7 @@ steps (ODE elsewhere, optionally DPM-Solver++(2M) over strided sigmas), or one B
 rollout-time mean and std; `log_prob` recomputes the Gaussian log-density of the stored x_{t+1} under the current
 weights with the same CFG scale, the same std and the same reduction, batching all n * A steps in one forward.
 The last (lowest-sigma) step is never trained (its likelihood overflows; docs/algorithms.md §1).
-With a forward-process loss (algo.policy_loss=awm | nft; docs/algorithms.md §10) the actions are instead K noise
+With a forward-process loss (algo.objective.name=awm | nft; docs/algorithms.md §10) the actions are instead K noise
 levels of each final sample, and the "log-prob" is the negative flow-matching loss there.
 """
 
@@ -234,7 +234,7 @@ class FlowPolicy(PolicyDefaults):
         its `labels[j]` as "label" (the preference reward reads it). Forward-process objectives only (dpo, nft ...)."""
         if self.objective != "forward" or self.model.encode_latents is None:
             raise ConfigError("examples with given `outputs` (offline preference pairs) train forward-process objectives "
-                              "(algo.policy_loss=dpo, nft, awm, dgpo) of an image model whose family encodes images")
+                              "(algo.objective.name=dpo, nft, awm, dgpo) of an image model whose family encodes images")
         seeds, g = self._seeds(len(examples) * group_size, generator), group_size
         for ex in examples:
             if len(ex["outputs"]) != g or len(ex.get("labels", [0] * g)) != g:
@@ -257,7 +257,7 @@ class FlowPolicy(PolicyDefaults):
 
     def _forward_actions(self, x0: torch.Tensor, enc: torch.Tensor, pooled: torch.Tensor, seeds: list[int],
                          images: list[list] | None = None):
-        """The actions of forward-process losses (algo.policy_loss=awm | nft; docs/algorithms.md §10): for each final
+        """The actions of forward-process losses (algo.objective.name=awm | nft; docs/algorithms.md §10): per final
         sample x0 [n, *D], K = sampler.forward_timesteps noise levels t ~ U(forward_t_range) and noises eps drawn
         from the row's seed, x_t = (1 - t) x0 + t eps, and the sampling weights' velocity there (no gradient).
         Old log-prob of an action: -mean_d (v_old - (eps - x0))^2, the negative flow-matching loss."""

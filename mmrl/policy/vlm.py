@@ -201,7 +201,7 @@ class TokenPolicy(PolicyDefaults):
     def _rollout(self, rows: list[dict], completions: torch.Tensor, gid: torch.Tensor,
                  is_offpolicy: torch.Tensor | None = None, engine_lp: torch.Tensor | None = None) -> Rollout:
         """engine_lp [N, C]: the engine's log-prob of each sampled token (NaN where none), kept as
-        extras["rollout_log_prob"] for algo.tis_cap and the rollout/engine_ratio_dev statistic."""
+        extras["rollout_log_prob"] for algo.objective.tis_cap and the rollout/engine_ratio_dev statistic."""
         mask = completion_mask(completions, self.eos_id)
         extras = {"completion_ids": completions}
         if engine_lp is not None:

@@ -6,7 +6,7 @@ An engine takes a left-padded prompt batch (the processor's tensors for B prompt
 token ids [B * G, C] (rows grouped by prompt: prompt b owns rows b*G .. b*G + G - 1), padded with pad_id after
 the first EOS. The policy recomputes every log-prob itself; an engine that samples from its own numbers may also
 keep the log-prob of each token it sampled in `last_logprobs` [B * G, C] (NaN where none), which the policy puts in
-the rollout for the truncated importance-sampling correction (algo.tis_cap) and the mismatch statistics.
+the rollout for the truncated importance-sampling correction (algo.objective.tis_cap) and the mismatch statistics.
 """
 
 from __future__ import annotations
