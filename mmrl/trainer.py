@@ -269,6 +269,7 @@ class Trainer:
             if real:  # a padding pass has no statistics
                 loss += part_loss
                 stats.add_pass(*part_stats)
+            del part_stats  # the pass's outputs go before the next forward (they would raise its peak)
         return loss / self.dist.world
 
     def accumulate(self, rollout, idx, actions, adv, sizes, weight: float, first: bool) -> tuple[float, tuple]:
