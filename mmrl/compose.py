@@ -14,6 +14,8 @@ same treatment as the built-in ones.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
+from typing import Any
 
 from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS_AGG, OFFPOLICY, POLICY_LOSSES,
                              RATIO_TRANSFORMS, REWARD_AGGREGATIONS, REWARD_SHAPINGS, WEIGHTINGS)
@@ -37,6 +39,25 @@ NESTED = {"reward": REWARDS, "judge": JUDGES}  # factory parameters that receive
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
     """Parse and check a config (mmrl.config_files.load_config), then check every registry name it uses."""
     return check_choices(parse_config(path, overrides))
+
+
+def checked(cfg: Config) -> Config:
+    """`cfg` with every registry name and choice checked: once. A config that `check_choices` passed (e.g. from
+    load_config) and that has not changed since is not checked again; any other is checked now."""
+    return cfg if getattr(cfg, "_checked", None) == repr(cfg) else check_choices(cfg)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """The config's algorithm pieces, built once: what a training pass minimizes, how rewards are shaped, how
+    advantages are assigned."""
+    objective: Any  # mmrl.algorithms.objective.Objective
+    shaping: Any    # mmrl.algorithms.shaping.Shaping (needs_contrast: T-GRPO's contrast rollout)
+    credit: Any     # CREDIT_ASSIGNMENTS[algo.credit]
+
+
+def build_algorithm(cfg: Config) -> Algorithm:
+    return Algorithm(build_objective(cfg.algo), build_shaping(cfg.algo), CREDIT_ASSIGNMENTS[credit_name(cfg)])
 
 
 def credit_name(cfg: Config) -> str:
@@ -75,6 +96,7 @@ def check_choices(cfg: Config) -> Config:
         if cfg.sampler.ode_stride > 1 or cfg.sampler.ode_solver != "euler":
             raise ConfigError("sampler.ode_stride / ode_solver=dpm2m apply to chain rollouts: remove them or "
                               "tree.split_steps")
+    cfg._checked = repr(cfg)  # `checked` does not check it again while it stays as it is
     return cfg
 
 

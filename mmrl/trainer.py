@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from mmrl import checkpoint as ckpt
 from mmrl import compose
-from mmrl.algorithms import ADVANTAGES, CREDIT_ASSIGNMENTS, build_shaping
-from mmrl.algorithms.objective import Batch, build_objective
+from mmrl.algorithms import ADVANTAGES
+from mmrl.algorithms.objective import Batch
 from mmrl.algorithms.offpolicy import injection_diagnostics
 from mmrl.config import Config, sample_chunk
 from mmrl.data import Rollout, micro_batches, stratified_minibatches
@@ -46,7 +46,7 @@ MAX_NONFINITE_STEPS = 3  # optimizer steps in a row with a non-finite gradient b
 
 class Trainer:
     def __init__(self, cfg: Config):
-        self.cfg = compose.check_choices(cfg)
+        self.cfg = compose.checked(cfg)  # a config from load_config is not checked twice
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         check_parallel_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any weight loads
@@ -58,7 +58,8 @@ class Trainer:
             self.task = compose.build_task(cfg.task)
         torch.manual_seed(cfg.train.seed)  # the same initial weights (and LoRA init) on every rank
         self.policy = compose.build_policy(cfg, self.dist)  # under FSDP: loaded into shards by parallelize
-        self.objective = build_objective(cfg.algo)  # what each training pass minimizes (its terms)
+        algo = compose.build_algorithm(cfg)  # built once: objective (terms), reward shaping, credit assignment
+        self.objective, self.shaping, self.credit = algo.objective, algo.shaping, algo.credit
         if cfg.train.gradient_checkpointing:
             self.policy.enable_gradient_checkpointing()
         if self.dist.cp > 1:  # before DDP / FSDP wrap the transformers
@@ -71,7 +72,6 @@ class Trainer:
         self.eval_reward = self.reward if not cfg.reward.eval_name else RewardRunner(
             compose.build_reward(cfg.reward.eval_name, cfg.reward.eval_kwargs, "reward.eval"), cfg.reward.on_error,
             sample_chunk(cfg.train))
-        self.credit = CREDIT_ASSIGNMENTS[compose.credit_name(cfg)]
         self.params = list(self.policy.trainable_parameters())
         if not self.params:
             raise ConfigError("the policy has no trainable parameters (check model.lora settings)")
@@ -161,8 +161,8 @@ class Trainer:
         with self.sampling_weights(it):
             rollout, rewards, valid, metrics = self.collect(random.Random(seed), torch.Generator().manual_seed(seed))
         metrics.update({f"reward/{k}_weight": w for k, w in (weights or {}).items()})
-        shaping = build_shaping(a)  # algo.shaping with its knobs
-        extra, stats = self.collect.contrast(rollout, seed) if getattr(shaping, "needs_contrast", False) else ((), {})
+        shaping = self.shaping  # algo.shaping with its knobs
+        extra, stats = self.collect.contrast(rollout, seed) if shaping.needs_contrast else ((), {})
         metrics.update(stats)  # e.g. T-GRPO: the same prompts with shuffled frames, scored, never trained
         local = rollout
         if self.dist.world > 1:  # advantages need whole groups: every rank sees every row's reward, in order

@@ -270,3 +270,20 @@ def test_a_resumed_run_whose_time_budget_is_spent_trains_nothing_and_says_so(tin
     with caplog.at_level("WARNING"):
         res = tr.fit()
     assert res["iterations"] == 3 and "time_budget_min=1.0 is spent" in caplog.text
+
+
+def test_a_trainer_checks_its_config_once(tiny_pixel_model, tmp_path, monkeypatch):
+    """load_config checks every registry name; the Trainer does not check that config again (it did: twice in all),
+    but a config changed after loading (or built in code) is checked when the Trainer gets it."""
+    import mmrl.compose as compose
+
+    calls = []
+    check = compose.check_choices
+    monkeypatch.setattr(compose, "check_choices", lambda cfg: calls.append(1) or check(cfg))
+    cfg = cfg_for(tiny_pixel_model, tmp_path)
+    Trainer(cfg)
+    assert len(calls) == 1
+    cfg.algo.advantage = "no_such_advantage"  # changed after the check: checked again, and refused
+    with pytest.raises(ValueError, match="algo.advantage"):
+        Trainer(cfg)
+    assert len(calls) == 2
