@@ -69,7 +69,7 @@ def policy_and_rollout(folder: str, args):
 
     from mmrl.config import LoraConfig, SamplerConfig
     from mmrl.data import Rollout, group_ids
-    from mmrl.policy.vlm import TokenPolicy, load_token_model
+    from mmrl.policy.token import TokenPolicy, load_token_model
     from mmrl.video import VideoOptions
 
     model, proc = load_token_model(folder)

@@ -421,7 +421,7 @@ class Config:
 
 def policy_kind(name: str) -> str | None:
     """"flow" | "token" for the built-in policies (model.policy), None for a user's own (package.module:Name)."""
-    return {"flow": "flow", "token": "token", "vlm": "token"}.get(name)
+    return {"flow": "flow", "token": "token"}.get(name)
 
 
 def _choice(key: str, value: Any, valid: tuple) -> None:

@@ -52,6 +52,7 @@ MOVED = {
     "algo.tgrpo_mu": ("algo.shaping.kwargs.mu", ("tgrpo",)),
     "algo.tgrpo_threshold": ("algo.shaping.kwargs.threshold", ("tgrpo",)),
 }
+RENAMED = {("model", "policy"): {"vlm": "token"}}  # values renamed: (section, key) -> {old: new}
 SAVED_CONFIG = "config.json"  # the name of a run's saved config (mmrl/runs.py, checkpoints): translated, not refused
 
 
@@ -93,8 +94,21 @@ def _upgrade(data: dict, saved: bool) -> tuple[dict, list[str], list[str], list[
     return {**data, "algo": algo}, moved, unread, touched
 
 
+def _renamed(data: dict) -> tuple[dict, list[str]]:
+    """(data with RENAMED values in their new names, "old is now new" notes)."""
+    notes = []
+    for (section, key), names in RENAMED.items():
+        sec = data.get(section)
+        if isinstance(sec, dict) and isinstance(sec.get(key), str) and sec[key] in names:
+            notes.append(f"{section}.{key}={sec[key]} is now {section}.{key}={names[sec[key]]}")
+            data = {**data, section: {**sec, key: names[sec[key]]}}
+    return data, notes
+
+
 def check_moved(data: dict) -> None:
-    """Refuse a config that names a key of MOVED, with its new form (ConfigError)."""
+    """Refuse a config that names a key of MOVED or a RENAMED value, with its new form (ConfigError)."""
+    if notes := _renamed(data)[1]:
+        raise ConfigError("; ".join(notes) + " (the same policy under its one name)")
     new, moved, unread, touched = _upgrade(data, saved=False)
     if moved or unread:
         form = "; ".join(f"algo.{s}: " + yaml.safe_dump(new["algo"][s], default_flow_style=True, sort_keys=False,
@@ -104,8 +118,11 @@ def check_moved(data: dict) -> None:
 
 
 def upgrade_saved(data: dict, where: str) -> dict:
-    """A run's saved config (config.json of an older mmrl) with its MOVED keys translated; a warning lists them."""
+    """A run's saved config (config.json of an older mmrl) with its MOVED keys and RENAMED values translated; a
+    warning lists them."""
+    data, renamed = _renamed(data)
     new, moved, unread, _ = _upgrade(data, saved=True)
+    moved = renamed + moved
     if moved or unread:
         log.warning("%s was saved by an older mmrl and is read with its moved keys translated: %s%s", where,
                     ", ".join(moved), f"; unread, dropped: {', '.join(unread)}" if unread else "")

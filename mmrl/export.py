@@ -66,7 +66,7 @@ def _export_flow(checkpoint: str, meta: dict, out: str) -> None:
 
 
 def _export_token(checkpoint: str, meta: dict, out: str) -> None:
-    from mmrl.policy.vlm import load_token_policy
+    from mmrl.policy.token import load_token_policy
 
     pol = load_token_policy(checkpoint)
     model = pol.model.merge_and_unload() if meta["lora"] else pol.model

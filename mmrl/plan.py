@@ -216,7 +216,7 @@ def _flow_parts(cfg, arch: dict | None, rows: Rows, cp: int, needs_reference: bo
 
 def _token_parts(cfg, arch: dict | None, rows: Rows, prompt_tokens: int, needs_reference: bool) -> Parts:
     """A token policy's language model (the vision tower counted, never run: token ids stand in for the media)."""
-    from mmrl.policy.vlm import DEFAULT_LORA_TARGETS
+    from mmrl.policy.token import DEFAULT_LORA_TARGETS
 
     t, s = cfg.train, cfg.sampler
     model = token_model(cfg, arch)

@@ -195,7 +195,7 @@ class ChatVLM:
 
     def load(self):
         if self.model is None:
-            from mmrl.policy.vlm import load_token_model
+            from mmrl.policy.token import load_token_model
 
             model, proc = load_token_model(self.path, self.dtype, self.device, self.trust_remote_code)
             if not hasattr(proc, "image_processor"):

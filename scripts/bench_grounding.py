@@ -48,7 +48,7 @@ def main(argv=None):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from mmrl.policy.vlm import load_token_policy
+    from mmrl.policy.token import load_token_policy
     from mmrl.video import VideoOptions
     from rewards.grounding import evaluate
     from tasks.grounding import GROUNDING_PROMPT, constant_baseline

@@ -43,7 +43,7 @@ import torch
 from mmrl.checkpoint import atomic_dir
 from mmrl.config import LoraConfig, SamplerConfig
 from mmrl.data import Rollout
-from mmrl.policy.vlm import TokenPolicy, load_token_model
+from mmrl.policy.token import TokenPolicy, load_token_model
 from mmrl.rollout.engine import completion_mask
 from mmrl.video import VideoOptions
 

@@ -86,13 +86,19 @@ def test_flow_keys_rejected_on_token_policies():
     assert load_config("configs/tiny/vlm_smoke.yaml", ["sampler.temperature=0.7"]).sampler.temperature == 0.7
 
 
-def test_vlm_is_an_alias_of_token():
-    a = load_config("configs/tiny/vlm_smoke.yaml", ["model.policy=vlm", "sampler.temperature=0.7"])
-    with pytest.raises(ValueError, match=r"sampler.num_steps does not apply to model.policy=vlm"):
-        load_config("configs/tiny/vlm_smoke.yaml", ["model.policy=vlm", "sampler.num_steps=20"])
+def test_the_token_policy_has_one_name(tmp_path):
+    """model.policy=vlm (its former name) is refused naming `token`; a run's saved config.json that says vlm is read
+    as token (with a warning); checkpoints write mmrl_policy.json with "token"."""
+    with pytest.raises(ValueError, match=r"model.policy=vlm is now model.policy=token"):
+        load_config("configs/tiny/vlm_smoke.yaml", ["model.policy=vlm"])
+    from mmrl.config import to_dict
     from mmrl.policy import POLICIES
 
-    assert POLICIES["vlm"] is POLICIES["token"] and a.sampler.temperature == 0.7
+    assert "vlm" not in POLICIES
+    saved = to_dict(load_config("configs/tiny/vlm_smoke.yaml"))
+    saved["model"]["policy"] = "vlm"
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert load_config(str(tmp_path / "config.json")).model.policy == "token"
 
 
 def test_an_override_whose_value_is_not_yaml_is_one_config_error():

@@ -172,4 +172,4 @@ def test_context_parallel_configs_are_refused_before_loading(wan_folders, tmp_pa
     with pytest.raises(ValueError, match="needs a diffusers pipeline folder with transformer/config.json"):
         check_parallel_config(cfg("train.context_parallel=2", path=tmp_path), 2)
     with pytest.raises(ValueError, match="token policies: set train.context_parallel=1"):
-        load_config(None, ["model.policy=vlm", "train.context_parallel=2"])
+        load_config(None, ["model.policy=token", "train.context_parallel=2"])

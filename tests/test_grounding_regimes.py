@@ -201,7 +201,7 @@ def test_rft_keeps_the_bit_and_dpo_pairs_best_and_worst():
 
 def test_dpo_loss_starts_at_log2_and_trains(tiny_vl, tiny_world):
     from mmrl.config import LoraConfig, SamplerConfig
-    from mmrl.policy.vlm import TokenPolicy, load_token_model
+    from mmrl.policy.token import TokenPolicy, load_token_model
     from mmrl.video import VideoOptions
 
     sft = script("sft_grounding")

@@ -29,7 +29,7 @@ def tiny_lm(tmp_path_factory):
 
 def policy_for(path, lora=False):
     from mmrl.compose import load_config
-    from mmrl.policy.vlm import build_token_policy
+    from mmrl.policy.token import build_token_policy
 
     cfg = load_config(None, ["model.policy=token", f"model.path={path}", "model.reference=none", "sampler.engine=vllm",
                              "sampler.max_new_tokens=12", "sampler.temperature=1.0",

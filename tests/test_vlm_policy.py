@@ -1,6 +1,7 @@
 """Token-policy contract (shapes, determinism under a seed, on-policy ratio = 1) for Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL and a causal LM; video input; TempSamp-R1 injection; LoRA on the language model only."""
 
+import json
 import random
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from conftest import build_tiny_vl
 from mmrl.config import LoraConfig, SamplerConfig
-from mmrl.policy.vlm import TokenPolicy, load_token_model
+from mmrl.policy.token import TokenPolicy, load_token_model
 from mmrl.video import VideoError, VideoOptions
 from mmrl.testing.contract import check_policy
 
@@ -238,6 +239,7 @@ def test_export_merges_the_lora_into_a_transformers_folder(tiny_vl, tmp_path):
         for p in pol.trainable_parameters():
             p.add_(torch.randn_like(p) * 0.05)
     pol.save_pretrained(str(tmp_path / "policy"))
+    assert json.load(open(tmp_path / "policy" / "mmrl_policy.json"))["policy"] == "token"  # the policy's one name
     export(str(tmp_path / "policy"), str(tmp_path / "merged"))
     merged = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "merged")).eval()
     ids = torch.tensor([[5, 6, 7, 8, 9]])

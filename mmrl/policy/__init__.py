@@ -5,7 +5,6 @@ from mmrl.registry import Registry
 
 POLICIES = Registry("policy", {
     "flow": "mmrl.policy.flow_build:build_flow_policy",
-    "token": "mmrl.policy.vlm:build_token_policy",
-    "vlm": "mmrl.policy.vlm:build_token_policy",  # the former name of `token`, kept as an alias
+    "token": "mmrl.policy.token:build_token_policy",
     "janus": "mmrl.policy.janus:build_janus_policy",  # Janus-Pro: image tokens as actions (docs/token-policies.md)
 })

@@ -51,7 +51,7 @@ from mmrl.data import PolicyOutput, Rollout, group_ids
 from mmrl.errors import ConfigError, MissingFile
 from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, resolve_model_path,
                               save_lora_adapter, upcast_trainable, write_policy_meta)
-from mmrl.policy.vlm import DEFAULT_LORA_TARGETS, selective_log_softmax
+from mmrl.policy.token import DEFAULT_LORA_TARGETS, selective_log_softmax
 
 SCORE_CHUNK = 8  # rows per old-log-prob forward when train.sample_chunk is 0 (logits [2 x 8, 576, 16384] fp32 = 0.6 GB)
 

@@ -409,7 +409,7 @@ class TokenPolicy(PolicyDefaults):
     # ---------------------------------------------------------------------------------------- save/load
     def save_pretrained(self, path: str) -> None:
         """LoRA: the peft adapter folder. Full fine-tuning: model + processor (loadable with from_pretrained)."""
-        write_policy_meta(path, "vlm", self.model_path, self.lora)
+        write_policy_meta(path, "token", self.model_path, self.lora)
         if self.lora:
             save_lora_adapter(self.model, self.lora_config, path)
         else:
