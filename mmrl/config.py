@@ -17,8 +17,8 @@ class LoraConfig:
     enabled: bool = False         # LoRA via peft (the default for real checkpoints); False = full fine-tuning
     rank: int = 32
     alpha: int = 64
-    # [] = the policy's default: flow = Flow-GRPO's SD3 targets (the joint attention projections of every
-    # MMDiT block); vlm = attention and MLP projections of the language model (never the vision tower)
+    # [] = the policy's default: flow = the model family's `lora_targets` (SD3: Flow-GRPO's joint attention
+    # projections of every MMDiT block); token = attention and MLP projections of the language model (never vision)
     target_modules: list[str] = field(default_factory=list)
 
 
