@@ -261,6 +261,22 @@ class Config:
     def validate(self) -> "Config":
         """Check values and their combinations; raise ValueError naming the key and the fix. Registry names
         (policy, task, reward, algorithm pieces) are checked where they are resolved: mmrl.compose.check_choices."""
+        self._validate_reward()
+        _choice("video.backend", self.video.backend, ("decord", "torchcodec"))
+        _choice("video.on_error", self.video.on_error, ("raise", "skip"))
+        self._check_policy_keys()
+        _choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
+        _choice("model.reference", self.model.reference, ("auto", "none"))
+        self._validate_train()
+        self._validate_algo()
+        self._validate_sampler()
+        self._validate_tree()
+        if self.task.name == "prompt_file" and not self.task.prompt_file and not self.task.kwargs.get("dataset"):
+            raise ConfigError("task.name=prompt_file needs task.prompt_file=PATH (.txt one prompt per line, .jsonl / .csv "
+                              "with a prompt field) or task.kwargs.dataset=NAME_OR_FOLDER (Hugging Face datasets)")
+        return self
+
+    def _validate_reward(self) -> None:
         if self.reward.name == "pairwise" and not self.reward.eval_name:
             raise ConfigError("reward.name=pairwise scores samples only against their group: set reward.eval_name "
                               "(e.g. shapes) for the held-out evaluation")
@@ -278,21 +294,13 @@ class Config:
             raise ConfigError("reward.workers must be >= 0 and reward.overlap_chunks >= 1")
         if self.reward.workers and self.tree.split_steps:
             raise ConfigError("tree rollouts sample each prompt's tree in one pass: set reward.workers=0")
-        _choice("video.backend", self.video.backend, ("decord", "torchcodec"))
-        _choice("video.on_error", self.video.on_error, ("raise", "skip"))
-        if len(self.sampler.sde_window_range) != 2:
-            raise ConfigError(f"sampler.sde_window_range must be [lo, hi) window starts, e.g. [0, 4]; got "
-                             f"{self.sampler.sde_window_range}")
-        self._check_policy_keys()
-        _choice("sampler.logprob_reduce", self.sampler.logprob_reduce, ("mean", "sum"))
-        _choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
-        _choice("model.reference", self.model.reference, ("auto", "none"))
         _choice("reward.on_error", self.reward.on_error, ("skip", "raise"))
-        _choice("train.parallel", self.train.parallel, ("none", "ddp", "fsdp"))
-        _choice("train.mixed_precision", self.train.mixed_precision, ("no", "bf16"))
-        _choice("train.cp_kind", self.train.cp_kind, ("ulysses", "ring"))
-        _choice("sampler.cfg_grad", self.sampler.cfg_grad, ("cond", "full"))
+
+    def _validate_train(self) -> None:
         t = self.train
+        _choice("train.parallel", t.parallel, ("none", "ddp", "fsdp"))
+        _choice("train.mixed_precision", t.mixed_precision, ("no", "bf16"))
+        _choice("train.cp_kind", t.cp_kind, ("ulysses", "ring"))
         if t.context_parallel < 1:
             raise ConfigError(f"train.context_parallel must be >= 1 (1 = off), got {t.context_parallel}")
         if t.context_parallel > 1 and policy_kind(self.model.policy) != "flow":
@@ -327,6 +335,8 @@ class Config:
         if t.sampling_ema and (len(t.sampling_ema) != 2 or t.sampling_ema[0] < 0 or not 0 <= t.sampling_ema[1] < 1):
             raise ConfigError(f"train.sampling_ema must be [rate, cap] with rate >= 0 and 0 <= cap < 1 (DiffusionNFT: "
                               f"[0.001, 0.5]), or [] for the current weights; got {t.sampling_ema}")
+
+    def _validate_algo(self) -> None:
         _choice("algo.adv_std", self.algo.adv_std, ("auto", "population", "sample"))
         if self.algo.adv_std == "auto":  # resolved once here, so the run's saved config names the std it used
             self.algo.adv_std = "sample" if policy_kind(self.model.policy) == "token" else "population"
@@ -338,7 +348,18 @@ class Config:
         self._validate_objective_terms()
         if self.algo.kl_coef > 0 and self.model.reference == "none":
             raise ConfigError("algo.kl_coef > 0 needs a reference model: set model.reference=auto or algo.kl_coef=0")
+        _choice("algo.kl_reference", self.algo.kl_reference, ("base", "ema"))
+        if self.algo.kl_reference == "ema" and self.algo.kl_coef > 0 and self.train.ema_decay == 0:
+            raise ConfigError("algo.kl_reference=ema takes the EMA of the trained weights as the reference: set "
+                              "train.ema_decay (e.g. 0.9), or algo.kl_reference=base")
+
+    def _validate_sampler(self) -> None:
         s = self.sampler
+        if len(s.sde_window_range) != 2:
+            raise ConfigError(f"sampler.sde_window_range must be [lo, hi) window starts, e.g. [0, 4]; got "
+                             f"{s.sde_window_range}")
+        _choice("sampler.logprob_reduce", s.logprob_reduce, ("mean", "sum"))
+        _choice("sampler.cfg_grad", s.cfg_grad, ("cond", "full"))
         if s.num_steps < 2:
             raise ConfigError(f"sampler.num_steps must be >= 2 (the last step is never trained), got {s.num_steps}")
         if s.sde_window_size < 0 or s.sde_window_size > s.num_steps - 1:
@@ -346,20 +367,11 @@ class Config:
                               f"got {s.sde_window_size}")
         _choice("sampler.window_schedule", s.window_schedule, ("random", "sliding"))
         _choice("sampler.ode_solver", s.ode_solver, ("euler", "dpm2m"))
-        _choice("algo.kl_reference", self.algo.kl_reference, ("base", "ema"))
         if s.ode_stride < 1 or s.window_shift_every < 1 or s.forward_timesteps < 1:
             raise ConfigError("sampler.ode_stride, sampler.window_shift_every and sampler.forward_timesteps must be >= 1")
         r = s.forward_t_range
         if len(r) != 2 or not 0 <= r[0] < r[1] <= 1:
             raise ConfigError(f"sampler.forward_t_range must be [lo, hi] with 0 <= lo < hi <= 1, got {s.forward_t_range}")
-        if self.algo.kl_reference == "ema" and self.algo.kl_coef > 0 and t.ema_decay == 0:
-            raise ConfigError("algo.kl_reference=ema takes the EMA of the trained weights as the reference: set "
-                              "train.ema_decay (e.g. 0.9), or algo.kl_reference=base")
-        self._validate_tree()
-        if self.task.name == "prompt_file" and not self.task.prompt_file and not self.task.kwargs.get("dataset"):
-            raise ConfigError("task.name=prompt_file needs task.prompt_file=PATH (.txt one prompt per line, .jsonl / .csv "
-                              "with a prompt field) or task.kwargs.dataset=NAME_OR_FOLDER (Hugging Face datasets)")
-        return self
 
 
     # keys that only one kind of policy reads: set for the other, they would be ignored silently
