@@ -74,8 +74,9 @@ def policy_and_rollout(folder: str, args):
 
     model, proc = load_token_model(folder)
     px = args.side * args.side
-    pol = TokenPolicy(model, proc, SamplerConfig(temperature=1.0, max_new_tokens=args.length), LoraConfig(),
-                      VideoOptions(nframes=args.frames, min_pixels=px, max_pixels=px), freeze_vision=False,
+    pol = TokenPolicy(model=model, processor=proc, sampler_cfg=SamplerConfig(temperature=1.0, max_new_tokens=args.length),
+                      lora_cfg=LoraConfig(), video=VideoOptions(nframes=args.frames, min_pixels=px, max_pixels=px),
+                      freeze_vision=False,
                       reference="none")
     ex = {"prompt": PROMPT, "video": os.path.join(folder, "clip.mp4")}
     prompt_len = pol.encode_prompt(ex)["input_ids"].shape[1]

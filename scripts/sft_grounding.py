@@ -193,8 +193,8 @@ def main(argv=None):
         print(f"initialized from {args.init}")
     else:
         model, processor = build_base(args.size, task.train_clean, task.answer_template)
-    policy = TokenPolicy(model, processor, SamplerConfig(temperature=1.0, max_new_tokens=16), LoraConfig(),
-                         VIDEO, freeze_vision=False, reference="auto" if args.dpo else "none")
+    policy = TokenPolicy(model=model, processor=processor, sampler_cfg=SamplerConfig(temperature=1.0, max_new_tokens=16),
+                         lora_cfg=LoraConfig(), video=VIDEO, freeze_vision=False, reference="auto" if args.dpo else "none")
     params = policy.trainable_parameters()
     mode = "rft" if args.rft else "dpo" if args.dpo else "sft"
     print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params; "

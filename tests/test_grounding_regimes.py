@@ -206,8 +206,8 @@ def test_dpo_loss_starts_at_log2_and_trains(tiny_vl, tiny_world):
 
     sft = script("sft_grounding")
     model, proc = load_token_model(tiny_vl)
-    pol = TokenPolicy(model, proc, SamplerConfig(temperature=1.0, max_new_tokens=6), LoraConfig(),
-                      VideoOptions(min_pixels=56 * 56, max_pixels=56 * 56), freeze_vision=False, reference="auto")
+    pol = TokenPolicy(model=model, processor=proc, sampler_cfg=SamplerConfig(temperature=1.0, max_new_tokens=6),
+                      lora_cfg=LoraConfig(), video=VideoOptions(min_pixels=56 * 56, max_pixels=56 * 56), freeze_vision=False, reference="auto")
     pol.defer_old_log_prob = True
     task = GroundingWorldTask(TaskConfig(eval_prompts=2), root=tiny_world)
     ro = pol.sample(task.train[:2], 3, torch.Generator().manual_seed(0))

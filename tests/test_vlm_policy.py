@@ -26,8 +26,8 @@ def examples(world, n=2, split="train"):
 
 def policy_for(path, lora=False, temperature=1.0, **kw):
     model, proc = load_token_model(path)
-    return TokenPolicy(model, proc, SamplerConfig(temperature=temperature, max_new_tokens=10),
-                       LoraConfig(enabled=lora, rank=4, alpha=8), VIDEO, **kw)
+    return TokenPolicy(model=model, processor=proc, sampler_cfg=SamplerConfig(temperature=temperature, max_new_tokens=10),
+                       lora_cfg=LoraConfig(enabled=lora, rank=4, alpha=8), video=VIDEO, **kw)
 
 
 def tiny_lm(path) -> str:

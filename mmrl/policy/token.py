@@ -51,7 +51,7 @@ def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torc
 
 
 class TokenPolicy(PolicyDefaults):
-    def __init__(self, model, processor, sampler_cfg, lora_cfg, video: VideoOptions | None = None,
+    def __init__(self, *, model, processor, sampler_cfg, lora_cfg, video: VideoOptions | None = None,
                  freeze_vision: bool = True, reference: str = "auto", model_path: str = "",
                  video_on_error: str = "raise", cache_size: int = 512, shared_prefix: bool = True,
                  micro_batch: int = 0, cache_mb: float = 2048):
@@ -457,9 +457,10 @@ def build_token_policy(cfg) -> TokenPolicy:
     model, processor = load_token_model(path, dtype, device, cfg.model.trust_remote_code)
     v = cfg.video
     opts = VideoOptions(v.backend, v.fps, v.nframes, v.min_pixels, v.max_pixels, v.total_pixels)
-    return TokenPolicy(model, processor, cfg.sampler, cfg.model.lora, opts, cfg.model.freeze_vision,
-                       reference_kind(cfg), path, v.on_error, v.cache_size, cfg.model.shared_prefix,
-                       sample_chunk(cfg.train), v.cache_mb)
+    return TokenPolicy(model=model, processor=processor, sampler_cfg=cfg.sampler, lora_cfg=cfg.model.lora, video=opts,
+                       freeze_vision=cfg.model.freeze_vision, reference=reference_kind(cfg), model_path=path,
+                       video_on_error=v.on_error, cache_size=v.cache_size, shared_prefix=cfg.model.shared_prefix,
+                       micro_batch=sample_chunk(cfg.train), cache_mb=v.cache_mb)
 
 
 def load_token_policy(path: str, video: VideoOptions | None = None, video_on_error: str = "raise",
@@ -475,5 +476,6 @@ def load_token_policy(path: str, video: VideoOptions | None = None, video_on_err
 
         model = PeftModel.from_pretrained(model, path)
     model.eval()
-    return TokenPolicy(model, processor, SamplerConfig(temperature=0.0, max_new_tokens=max_new_tokens), LoraConfig(),
-                       video, freeze_vision=True, reference="none", model_path=path, video_on_error=video_on_error)
+    return TokenPolicy(model=model, processor=processor,
+                       sampler_cfg=SamplerConfig(temperature=0.0, max_new_tokens=max_new_tokens), lora_cfg=LoraConfig(),
+                       video=video, freeze_vision=True, reference="none", model_path=path, video_on_error=video_on_error)
