@@ -71,9 +71,10 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.micro_batch=4")
     pl.add_argument("--arch", metavar="ARCH",
                     help="a published architecture instead of model.path's config (each model family's, e.g. "
-                         "sd35-medium, flux1-dev, flux2-dev, wan22-a14b, qwen-image, z-image-turbo, qwen25-vl-7b; an "
-                         "unknown name lists them all)")
-    pl.add_argument("--prompt-tokens", type=int, default=512, help="token policies: prompt length with media tokens")
+                         "sd35-medium, flux1-dev, flux2-dev, wan22-a14b, qwen-image, z-image-turbo, qwen25-vl-7b, "
+                         "janus-pro-7b; an unknown name lists them all)")
+    pl.add_argument("--prompt-tokens", type=int, default=None,
+                    help="token policies: prompt length with media tokens (default 512); janus: before its image tokens (48)")
     pl.add_argument("--world", type=int, default=1, help="data-parallel processes (each samples whole groups)")
     pl.add_argument("--cp", type=int, default=None, help="context-parallel ranks splitting one video's tokens "
                                                          "(default: the config's train.context_parallel)")

@@ -6,9 +6,9 @@ group of world x cp ranks, through the trainer's own FSDP2 layout, the model's f
 EMA, tracked by torch's MemTracker per phase: start-up, sampling, decode, training, save (mmrl/plan_measure.py).
 By hand (always; the breakdown it prints beside the phases):
 
-The trained model (a flow transformer, or a token policy's language model) is instantiated on the meta device at
-real size (from `model.path`'s config files, or from a published architecture: mmrl/models/architectures.py),
-with the run's dtype and LoRA, and one training micro-batch is run through it on meta
+The trained model (a flow transformer, a token policy's language model, or Janus-Pro's image-token path) is
+instantiated on the meta device at real size (from `model.path`'s config files, or from a published architecture:
+mmrl/models/architectures.py), with the run's dtype and LoRA, and one training micro-batch is run through it on meta
 tensors:
   - parameters, trainable parameters, and the bytes of weights (frozen at model.dtype, trained in fp32), fp32
     gradients, AdamW state (2 x fp32), EMA and the frozen reference copy (KL, DGPO, DPO) when the run has them;
@@ -24,6 +24,18 @@ whose peak of live tensors (LivePeak) is the decode transient. Rollout storage i
 training: per row and trained action three fp32 latents (x_t, x_t+1 and the rollout mean; forward-process losses:
 x_t, the target and the old velocity), the prompt embedding, the decoded output; token policies the token ids and
 old log-probs (media pixels are not counted). The whole chain (every step's latent and mean) lives while sampling.
+
+Janus-Pro (model.policy: janus, mmrl/policy/janus.py) is planned with the policy's own pieces: its ImageTokenLM
+(language model, generation embeddings, aligner and head) is what trains and what FSDP shards, with LoRA on the
+policy's targets or fully trained; the training forward is the policy's `_scores` over both CFG rows of each sample
+(prompt + A - 1 image tokens, A logits over the codebook; sampler.cfg_grad=cond runs the unconditional rows without
+gradient). Frozen and replicated beside it (the "text encoders" slot): the SigLIP tower, its aligner and the text
+head; the VQ model is the VAE slot, its decode of a sampling chunk (A tokens -> pixels) the decode transient. The
+sampling chain is the KV cache of a chunk's generation (2 rows per sample, prompt + A tokens); a full fine-tuning
+reference is the policy's copy of the fp32 ImageTokenLM, not sharded. Prompts are `prompt_tokens` long (default 48:
+a GenEval prompt in Janus's chat template is 20-35); rollouts keep image tokens and log-probs (the decoded images go
+to host memory). FLOPs: a CFG row's generation is counted as one forward of its sequence (the KV cache makes the
+576 steps one pass), plus one more per row for the old log-probs when the trainer cannot defer them.
 
 Several GPUs (`world` data-parallel processes x `cp` context-parallel ranks each): a rank samples ceil(B / world)
 whole groups; minibatches are chunks of one global permutation, so a rank's rows in one minibatch vary: without
@@ -52,13 +64,21 @@ from mmrl.devices import torch_dtype
 from mmrl.distributed import check_parallel_config, transformer_blocks
 from mmrl.errors import ConfigError, MissingFile
 from mmrl.models.families import all_architectures, lora_targets
-from mmrl.plan_models import (Shapes, decode_peak, flow_model, frozen_parts, measure_forward, param_bytes, prepare,
-                              token_model)
-from mmrl.plan_measure import PHASES, flow_workload, measure, token_workload
+from mmrl.plan_models import (Shapes, decode_peak, flow_model, frozen_parts, janus_frozen, janus_model, janus_scorer,
+                              kv_cache_bytes, measure_forward, param_bytes, prepare, prepare_janus, token_model)
+from mmrl.plan_measure import PHASES, flow_workload, janus_workload, measure, token_workload
 from mmrl.policy.base import reference_kind
 
 log = logging.getLogger(__name__)
 GiB = 2**30
+PROMPT_TOKENS = {"token": 512, "janus": 48}  # default prompt lengths (token: with media tokens; janus: GenEval's)
+NAMES = {"text": "text encoders", "vae": "VAE", "chain": "the sampling chain"}  # what each frozen slot holds
+JANUS_NAMES = {"text": "understanding path", "vae": "VQ model", "chain": "generation KV cache"}
+
+
+def _kind(cfg) -> str | None:
+    """flow | token | janus: the policies mmrl plan knows (None: a user's own)."""
+    return policy_kind(cfg.model.policy) or ("janus" if cfg.model.policy == "janus" else None)
 
 
 def rank_share(total: int, mine: int, drawn: int, p: float = 1e-6) -> tuple[float, int, int]:
@@ -85,7 +105,7 @@ def _check_layout(cfg, world: int, cp: int, folder: bool) -> None:
     if world * cp > 1 and cfg.train.parallel == "none":
         raise ConfigError(f"train.parallel=none on {world * cp} GPUs: every process would train alone. Set "
                           f"train.parallel=ddp (replicated weights) or fsdp (sharded weights)")
-    if cp > 1 and policy_kind(cfg.model.policy) != "flow":
+    if cp > 1 and _kind(cfg) != "flow":
         raise ConfigError("--cp splits a flow transformer's video tokens (mmrl/context_parallel.py); token policies: --cp 1")
     check_parallel_config(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, context_parallel=cp)),
                           world * cp, folder=folder)
@@ -142,6 +162,9 @@ class Parts:
     decode: int = 0            # the VAE decode transient of one chunk
     chain: int = 0             # every step's latent and mean while sampling
     cache: int = 0             # the prompt-embedding cache
+    names: dict = field(default_factory=lambda: dict(NAMES))  # what the frozen slots hold (format_plan's labels)
+    reference_itemsize: int = 0  # bytes per parameter of a full fine-tuning KL copy (0: model.dtype's)
+    checkpoint: Callable[[], None] | None = None  # gradient checkpointing on as the policy does (None: the model's)
 
 
 def _architecture(cfg, arch_name: str | None) -> dict | None:
@@ -154,7 +177,7 @@ def _architecture(cfg, arch_name: str | None) -> dict | None:
     if arch_name not in all_architectures():
         raise ConfigError(f"unknown architecture {arch_name!r}; known: {sorted(all_architectures())}")
     arch = all_architectures()[arch_name]
-    if arch["policy"] != policy_kind(cfg.model.policy):
+    if arch["policy"] != _kind(cfg):
         raise ConfigError(f"--arch {arch_name} is a {arch['policy']} model but the config has "
                           f"model.policy={cfg.model.policy}")
     return arch
@@ -237,13 +260,48 @@ def _token_parts(cfg, arch: dict | None, rows: Rows, prompt_tokens: int, needs_r
     return Parts(model, run, Shapes(m, rows.total, rows.total * t.inner_epochs), stored, workload)
 
 
-def _state(cfg, model: torch.nn.Module, shard: int) -> dict[str, float]:
-    """Bytes per GPU of the weights, gradients, AdamW state, EMA and KL reference copy (`shard` GPUs share them)."""
+def _janus_parts(cfg, arch: dict | None, rows: Rows, prompt_tokens: int, needs_reference: bool) -> Parts:
+    """Janus-Pro's image-token path, the policy's training forward through it, its frozen parts, the VQ decode of a
+    sampling chunk and the KV cache of its generation (see the module docstring)."""
+    from mmrl.policy.janus import JanusPolicy, check_janus_config
+    from mmrl.policy.token import selective_log_softmax
+
+    check_janus_config(cfg)
+    t, s, dtype = cfg.train, cfg.sampler, torch_dtype(cfg.model.dtype)
+    janus = janus_model(cfg, arch)
+    lm = prepare_janus(janus, cfg)
+    frozen, vq = janus_frozen(janus, lm)
+    scorer = janus_scorer(janus, lm, s, "meta")
+    a, p, m = janus.config.vision_config.num_image_tokens, prompt_tokens, t.micro_batch or rows.share
+    cfg_rows = 2 if s.cfg_scale != 1 else 1
+
+    def run():  # the policy's log_prob of m rows: [m, P] prompts (both CFG rows), A image tokens scored
+        ids = torch.zeros(m, a, dtype=torch.long, device="meta")                                # [m, A]
+        scores = scorer._scores([torch.zeros(1, p, dtype=torch.long)] * m, ids, s.cfg_scale)    # [m, A, K] fp32
+        selective_log_softmax(scores, ids)[0].sum()
+
+    decode = decode_peak(vq, torch.zeros(rows.chunk, a, dtype=torch.long, device="meta"))[0]
+    stored = rows.rank * a * (8 + 4 + 4 + 1)  # int64 image tokens, fp32 old and rollout log-probs, the action mask
+    kv = kv_cache_bytes(janus.model.language_model.config, rows.chunk * cfg_rows, p + a, dtype)
+    deferred = t.minibatches == t.grad_accum and not t.sampling_ema  # else one more forward per row (old log-probs)
+    trained, full = rows.total * t.inner_epochs, s.cfg_grad == "full" or cfg_rows == 1
+    shapes = Shapes(m * cfg_rows, rows.total * cfg_rows * (1 if deferred else 2), trained * (cfg_rows if full else 1),
+                    0 if full else trained)
+    passes = -(-rows.share // m) * t.grad_accum  # training forwards per optimizer step on a rank
+    workload = functools.partial(janus_workload, cfg, janus, lm, frozen, vq, scorer, chunk=rows.chunk, m=m, prompt=p,
+                                 kept=stored, passes=passes, needs_reference=needs_reference)
+    return Parts(lm, run, shapes, stored, workload, frozen, vq, decode, kv, names=dict(JANUS_NAMES),
+                 reference_itemsize=4, checkpoint=functools.partial(JanusPolicy.enable_gradient_checkpointing, scorer))
+
+
+def _state(cfg, model: torch.nn.Module, shard: int, reference_itemsize: int = 0) -> dict[str, float]:
+    """Bytes per GPU of the weights, gradients, AdamW state, EMA and KL reference copy (`shard` GPUs share them; the
+    copy at model.dtype, or `reference_itemsize` bytes per parameter)."""
     experts = getattr(model, "experts", 1)
     n_params = experts * sum(p.numel() for p in model.parameters())
     trainable = experts * sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = experts * sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    ref = n_params * torch_dtype(cfg.model.dtype).itemsize \
+    ref = n_params * (reference_itemsize or torch_dtype(cfg.model.dtype).itemsize) \
         if (reference_kind(cfg) == "auto" and not cfg.model.lora.enabled) else 0
     if policy_kind(cfg.model.policy) == "flow" and not cfg.model.offload:  # FlowPolicy.parallelize shards it
         ref /= shard
@@ -265,7 +323,7 @@ def _by_hand(cfg, parts: Parts, rows: Rows, world: int, cp: int) -> dict:
     t, model, shapes = cfg.train, parts.model, parts.shapes
     meas = measure_forward(model, parts.run)
     shard = world * cp if t.parallel == "fsdp" else 1
-    state, gathered = _state(cfg, model, shard), _gathered(model, shard, t.mixed_precision)
+    state, gathered = _state(cfg, model, shard, parts.reference_itemsize), _gathered(model, shard, t.mixed_precision)
     experts = getattr(model, "experts", 1)
     # the backward of a block allocates gradients of about its saved size while those are still held: the peak
     # is the saved tensors plus the largest block's (with checkpointing: the blocks' inputs, the largest block
@@ -279,6 +337,7 @@ def _by_hand(cfg, parts: Parts, rows: Rows, world: int, cp: int) -> dict:
     peak_training = resident + state["gradients_fp32"] + (act_ckpt if t.gradient_checkpointing else act) / cp \
         + (0 if cfg.model.offload else text_bytes + vae_bytes)
     fwd_row, train_factor = meas["flops"] / shapes.rows, 4 if t.gradient_checkpointing else 3
+    trained_rows = shapes.rows_trained * train_factor + shapes.rows_forward_only  # forward row equivalents
     frac = rows.rank / rows.total  # of an iteration's rows, on one rank
     return {
         "class": type(model).__name__, "policy": cfg.model.policy, "dtype": cfg.model.dtype,
@@ -289,7 +348,8 @@ def _by_hand(cfg, parts: Parts, rows: Rows, world: int, cp: int) -> dict:
         "text_encoder_params": sum(p.numel() for e in parts.text for p in e.parameters()),
         "vae_params": sum(p.numel() for p in parts.vae.parameters()) if parts.vae is not None else 0,
         "micro_batch_rows": shapes.rows, "rows_sampled_per_iter": shapes.rows_sampled,
-        "rows_trained_per_iter": shapes.rows_trained, "rows_per_rank": rows.rank,
+        "rows_trained_per_iter": shapes.rows_trained, "rows_forward_only_per_iter": shapes.rows_forward_only,
+        "rows_per_rank": rows.rank,
         "groups_per_rank": rows.rank // t.group_size, "rank_rows_per_minibatch_mean": rows.mean,
         "rank_rows_per_minibatch_planned": rows.share, "rank_rows_per_minibatch_max": rows.most,
         "rows_sampled_per_rank_per_iter": round(shapes.rows_sampled * frac),
@@ -305,8 +365,9 @@ def _by_hand(cfg, parts: Parts, rows: Rows, world: int, cp: int) -> dict:
         "total_gib": max(peak_sampling, peak_training) / GiB,
         "forward_tflop_per_row": fwd_row / 1e12,
         "tflop_per_iter_sampling": fwd_row * shapes.rows_sampled / 1e12,
-        "tflop_per_iter_training": fwd_row * shapes.rows_trained * train_factor / 1e12,
-        "tflop_per_gpu_per_iter": fwd_row * (shapes.rows_sampled + shapes.rows_trained * train_factor) * frac / cp / 1e12,
+        "tflop_per_iter_training": fwd_row * trained_rows / 1e12,
+        "tflop_per_gpu_per_iter": fwd_row * (shapes.rows_sampled + trained_rows) * frac / cp / 1e12,
+        "names": parts.names,
     }
 
 
@@ -314,7 +375,9 @@ def _measured(cfg, parts: Parts, out: dict, device: str) -> dict:
     """`out` with the per-phase peaks of one iteration on fake tensors (mmrl/plan_measure.py), or, when that
     measurement fails, with the failure named (the by-hand figures still stand)."""
     t, model = cfg.train, parts.model
-    if t.gradient_checkpointing:
+    if t.gradient_checkpointing and parts.checkpoint is not None:
+        parts.checkpoint()
+    elif t.gradient_checkpointing:
         model.gradient_checkpointing_enable() if hasattr(model, "gradient_checkpointing_enable") \
             else model.enable_gradient_checkpointing()
     try:
@@ -329,13 +392,14 @@ def _measured(cfg, parts: Parts, out: dict, device: str) -> dict:
 
 
 @_without_cast_warnings
-def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int = 1, cp: int = 1,
+def plan(cfg, arch_name: str | None = None, prompt_tokens: int | None = None, world: int = 1, cp: int = 1,
          measured: bool = False, device: str = "cuda") -> dict:
     """The per-GPU cost of one iteration of config `cfg` (see the module docstring).
 
     Args:
         arch_name: an all_architectures() key instead of model.path's config files.
-        prompt_tokens: a token policy's prompt length (with its video or image tokens).
+        prompt_tokens: a token policy's prompt length (with its video or image tokens; None: 512), Janus's prompt
+            length before its image tokens (None: 48).
         world: data-parallel processes (each samples ceil(B / world) whole groups).
         cp: context-parallel ranks per process (one forward's video tokens split cp ways); world x cp GPUs.
         measured: also run one iteration on fake tensors under a fake process group (mmrl/plan_measure.py) for the
@@ -347,18 +411,24 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int = 512, world: int
     """
     _check_layout(cfg, world, cp, folder=arch_name is None)
     arch = _architecture(cfg, arch_name)
-    kind = policy_kind(cfg.model.policy)
+    kind = _kind(cfg)
     if kind is None:
-        raise ConfigError(f"mmrl plan knows the built-in policies (flow, token), not model.policy={cfg.model.policy}")
+        raise ConfigError(f"mmrl plan knows the built-in policies (flow, token, janus), not "
+                          f"model.policy={cfg.model.policy}")
     rows, needs_reference = _rows(cfg.train, world), build_objective(cfg.algo).needs_reference
-    parts = _flow_parts(cfg, arch, rows, cp, needs_reference) if kind == "flow" else \
-        _token_parts(cfg, arch, rows, prompt_tokens, needs_reference)
+    if kind == "flow":
+        parts = _flow_parts(cfg, arch, rows, cp, needs_reference)
+    else:
+        build = _token_parts if kind == "token" else _janus_parts
+        parts = build(cfg, arch, rows, prompt_tokens or PROMPT_TOKENS[kind], needs_reference)
     out = {"model": arch_name or cfg.model.path, **_by_hand(cfg, parts, rows, world, cp)}
     return _measured(cfg, parts, out, device) if measured else out
 
 
 def format_plan(p: dict) -> str:
     g = lambda k: f"{p[k]:.2f} GiB"  # noqa: E731
+    n = p.get("names", NAMES)
+    forward_only = f" + {p['rows_forward_only_per_iter']} rows fwd" if p.get("rows_forward_only_per_iter") else ""
     cp_note = f" (1/{p['cp']} of the tokens per GPU)" if p["cp"] > 1 else ""
     layout = (f"{p['gpus']} GPU(s): --world {p['world']} x --cp {p['cp']}, train.parallel={p['parallel']}, "
               f"weights / gradients / AdamW / EMA sharded over {p['sharded_over']}")
@@ -370,12 +440,12 @@ def format_plan(p: dict) -> str:
              f"AdamW state {g('adamw_state_fp32_gib')}   EMA {g('ema_fp32_gib')}",
              f"  KL reference copy     {g('kl_reference_copy_gib')}",
              f"  FSDP gathered blocks  {g('fsdp_gathered_blocks_gib')}",
-             f"  text encoders         {g('text_encoders_gib')} ({p['text_encoder_params'] / 1e9:.2f} B), "
+             f"  {n['text']:<22}{g('text_encoders_gib')} ({p['text_encoder_params'] / 1e9:.2f} B), "
              f"prompt-embedding cache {g('text_cache_gib')}",
-             f"  VAE                   {g('vae_gib')} ({p['vae_params'] / 1e6:.0f} M)",
+             f"  {n['vae']:<22}{g('vae_gib')} ({p['vae_params'] / 1e6:.0f} M)",
              f"  rollout storage       {g('rollout_storage_gib')} ({p['rows_per_rank']} rows = {p['groups_per_rank']} "
-             f"groups per rank), the sampling chain {g('sampling_chain_gib')}",
-             f"  VAE decode transient  {g('vae_decode_transient_gib')} ({p['vae_decode_rows']} rows at once)",
+             f"groups per rank), {n['chain']} {g('sampling_chain_gib')}",
+             f"  {n['vae'] + ' decode':<22}{g('vae_decode_transient_gib')} ({p['vae_decode_rows']} rows at once)",
              f"  activations / micro-batch of {p['micro_batch_rows']} rows: {g('activations_per_micro_batch_gib')}, "
              f"with gradient checkpointing {g('activations_per_micro_batch_checkpointed_gib')}"
              f"{cp_note}",
@@ -389,7 +459,8 @@ def format_plan(p: dict) -> str:
                 f"mmrl/plan_measure.py)"] if "peak_gib" in p else []),
              f"  total (this config)   {g('total_gib')}{'' if 'peak_gib' in p else ' (by hand; measured: mmrl plan)'}",
              f"  TFLOP / iteration     sampling {p['tflop_per_iter_sampling']:.1f} ({p['rows_sampled_per_iter']} rows), "
-             f"training {p['tflop_per_iter_training']:.1f} ({p['rows_trained_per_iter']} rows x fwd+bwd); per GPU "
+             f"training {p['tflop_per_iter_training']:.1f} ({p['rows_trained_per_iter']} rows x fwd+bwd"
+             f"{forward_only}); per GPU "
              f"{p['tflop_per_gpu_per_iter']:.1f} ({p['rows_sampled_per_rank_per_iter']} rows sampled, "
              f"{p['rows_trained_per_rank_per_iter']} trained per rank)"]
     return "\n".join(lines)

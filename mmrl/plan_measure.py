@@ -321,3 +321,47 @@ def token_workload(cfg, model, *, chunk: int, m: int, seq: int, kept: int, needs
                     lambda ref: forward(reference[0] if ref and reference else model, m, False), None, kept, 0,
                     # one pass, synced: the vision tower never runs here (token ids stand in for the media)
                     1, needs_reference, cfg.train.ema_decay, shard_reference=False)
+
+
+def janus_workload(cfg, janus, lm, frozen, vq, scorer, *, chunk: int, m: int, prompt: int, kept: int, passes: int,
+                   needs_reference: bool) -> Workload:
+    """One rank's Janus-Pro iteration (mmrl/policy/janus.py) on its ImageTokenLM `lm` (prepared on meta), the frozen
+    understanding path and VQ model `vq`, and `scorer` (plan_models.janus_scorer: the policy's training forward):
+    generation's last step for `chunk` samples (both CFG rows' KV cache at full length, that step's logits), the VQ
+    decode of the chunk's A tokens, training forwards of `m` samples of `prompt` + A tokens."""
+    import copy
+
+    from transformers import DynamicCache
+
+    from mmrl.policy.base import upcast_trainable
+    from mmrl.policy.janus import positions
+    from mmrl.policy.token import selective_log_softmax
+
+    s = cfg.sampler
+    upcast_trainable(lm)  # as JanusPolicy: fp32 master weights, then a full fine-tuning reference copies them (fp32)
+    reference = [copy.deepcopy(lm).requires_grad_(False).eval()] if needs_reference and not cfg.model.lora.enabled \
+        else []
+    scorer.device = torch.device("cpu")
+    a, rows = janus.config.vision_config.num_image_tokens, chunk * (2 if s.cfg_scale != 1 else 1)
+
+    def sample():  # eval mode, as the policy samples: the KV cache kept (checkpointing would drop it)
+        mask = torch.ones(rows, prompt + a - 1, dtype=torch.long)                          # [2 chunk, P + A - 1]
+        lm.eval()
+        lm(torch.zeros(rows, prompt, dtype=torch.long), torch.zeros(rows, a - 1, dtype=torch.long), mask,
+           positions(mask), DynamicCache(), keep=1)
+        lm.train()
+
+    def loss(through_reference: bool) -> torch.Tensor:  # LoRA's reference is the same module, adapters off
+        scorer.lm = reference[0] if through_reference and reference else lm
+        ids = torch.zeros(m, a, dtype=torch.long)                                         # [m, A]
+        try:
+            return selective_log_softmax(scorer._scores([torch.zeros(1, prompt, dtype=torch.long)] * m, ids,
+                                                        s.cfg_scale), ids)[0].mean()
+        finally:
+            scorer.lm = lm
+
+    def decode():
+        vq.decode(torch.zeros(chunk, a, dtype=torch.long))
+
+    return Workload([lm], reference, [*frozen, vq], sample, loss, decode, kept, 0, passes, needs_reference,
+                    cfg.train.ema_decay, shard_reference=False)  # JanusPolicy wraps its live ImageTokenLM only

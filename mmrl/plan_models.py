@@ -1,8 +1,8 @@
 """The pieces `mmrl plan` builds at real size without weights: the trained transformer (or a token policy's language
-model) and the frozen parts on the meta device, prepared as the policy prepares them (dtype, LoRA, trainable flags);
-a meta forward measured by the tensors autograd saves (`measure_forward`); the live-tensor peak of a VAE decode
-(`decode_peak`). mmrl/plan.py composes them per GPU; mmrl/plan_measure.py runs them on fake tensors under a fake
-process group."""
+model, or Janus-Pro's image-token path) and the frozen parts on the meta device, prepared as the policy prepares them
+(dtype, LoRA, trainable flags); a meta forward measured by the tensors autograd saves (`measure_forward`); the
+live-tensor peak of a VAE (or VQ) decode (`decode_peak`). mmrl/plan.py composes them per GPU; mmrl/plan_measure.py
+runs them on fake tensors under a fake process group."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmrl.devices import torch_dtype
 from mmrl.distributed import transformer_blocks
+from mmrl.errors import ConfigError
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Shapes:
     rows: int                      # rows of one training forward (CFG doubles flow rows)
     rows_sampled: int              # transformer rows of one iteration's rollout (no grad)
     rows_trained: int              # transformer rows trained per iteration (each a forward and a backward)
+    rows_forward_only: int = 0     # training rows run without gradient (Janus's unconditional rows, cfg_grad=cond)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -43,13 +45,17 @@ class _FusedAttention(torch.autograd.Function):
 
 
 class _Measure(torch.overrides.TorchFunctionMode):
-    """Replaces SDPA by _FusedAttention and counts its FLOPs (4 B H Lq Lk D, forward)."""
+    """Replaces SDPA by _FusedAttention and counts its FLOPs (4 B H Lq Lk D, forward). A branch on a meta tensor's
+    value takes its True side: transformers asks whether an attention mask is all ones (`fast_all`), and then runs
+    the fused causal kernel without building the [B, 1, L, L] mask."""
 
     def __init__(self):
         super().__init__()
         self.attention_flops = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__bool__ and args[0].is_meta:
+            return True
         if func is F.scaled_dot_product_attention:
             kwargs = dict(kwargs or {})
             q, k, v = (*args, *(kwargs.pop(n) for n in ("query", "key", "value") if n in kwargs))[:3]
@@ -141,6 +147,66 @@ def token_model(cfg, arch: dict | None):
         return auto.from_config(config)
 
 
+def janus_model(cfg, arch: dict | None):
+    """JanusForConditionalGeneration on the meta device at real size: model.path's config.json (a transformers Janus
+    folder, as mmrl.policy.janus.load_janus reads it) or a published architecture's JanusConfig sub-configs."""
+    import transformers
+
+    if arch is None:
+        config = transformers.AutoConfig.from_pretrained(cfg.model.path)
+        if config.model_type != "janus":
+            raise ConfigError(f"model.path={cfg.model.path!r} holds model_type={config.model_type!r}, not 'janus': "
+                              f"point it at a transformers Janus folder (deepseek-community/Janus-Pro-1B or -7B), or "
+                              f"plan --arch janus-pro-1b / janus-pro-7b")
+    else:
+        config = getattr(transformers, arch["class"].replace("ForConditionalGeneration", "Config"))(**arch["config"])
+    with torch.device("meta"):
+        return transformers.JanusForConditionalGeneration(config)
+
+
+def prepare_janus(janus: torch.nn.Module, cfg) -> torch.nn.Module:
+    """The trained module of `janus` (on meta) as JanusPolicy builds it: its ImageTokenLM (the language model, the
+    generation embeddings, aligner and head), with LoRA on the policy's targets (its DEFAULT_LORA_TARGETS: the
+    language model's attention and MLP projections, or model.lora.target_modules) or fully trained; the SigLIP tower,
+    its aligner, the text head and the VQ model frozen at model.dtype."""
+    from mmrl.policy.janus import DEFAULT_LORA_TARGETS, ImageTokenLM
+
+    prepare(janus, cfg, list(cfg.model.lora.target_modules) or DEFAULT_LORA_TARGETS)
+    lm = ImageTokenLM(janus)
+    if not cfg.model.lora.enabled:  # full fine-tuning trains the image-token path only
+        janus.requires_grad_(False)
+        lm.requires_grad_(True)
+    return lm
+
+
+def janus_frozen(janus: torch.nn.Module, lm: torch.nn.Module) -> tuple[list[torch.nn.Module], torch.nn.Module]:
+    """(the understanding path JanusPolicy holds but never runs: SigLIP tower, its aligner and the text head, unless
+    the head is tied into `lm`'s embeddings; the VQ model), every one on the GPU whole beside the trained `lm`."""
+    m, trained = janus.model, {p.untyped_storage()._cdata for p in lm.parameters()}
+    parts = [m.vision_model, m.aligner, janus.lm_head]
+    return [x for x in parts if not any(p.untyped_storage()._cdata in trained for p in x.parameters())], m.vqmodel
+
+
+def janus_scorer(janus: torch.nn.Module, lm: torch.nn.Module, sampler, device: str):
+    """A JanusPolicy holding only what its training forward (`_scores`: both CFG rows, sampler.cfg_grad, the guidance
+    and temperature) and its gradient checkpointing read, so that the plan runs the policy's own code on `lm`.
+    Prompts are token ids [1, P] of any value (the ids of BOS, pad and <begin_of_image> only move values)."""
+    from mmrl.policy.janus import JanusPolicy
+
+    pol = JanusPolicy.__new__(JanusPolicy)
+    pol.janus, pol.lm, pol.device = janus, lm, torch.device(device)
+    pol.cfg_grad, pol.temperature = sampler.cfg_grad, sampler.temperature
+    pol.bos_id, pol.pad_id, pol.boi_id = 0, 1, 2
+    return pol
+
+
+def kv_cache_bytes(lm_config, rows: int, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of a transformers language model's KV cache: rows x tokens x layers x (K, V) x kv heads x head dim."""
+    heads = lm_config.num_key_value_heads or lm_config.num_attention_heads
+    head_dim = getattr(lm_config, "head_dim", None) or lm_config.hidden_size // lm_config.num_attention_heads
+    return rows * tokens * lm_config.num_hidden_layers * 2 * heads * head_dim * dtype.itemsize
+
+
 def prepare(module: torch.nn.Module, cfg, targets: list[str] | str) -> None:
     """dtype, LoRA on `targets` (what the policy adapts: peft suffixes, or a regex) and trainable flags as the policy
     sets them. A LoRA adapter computes in fp32 (as in the policy); a fully fine-tuned model computes at model.dtype
@@ -214,10 +280,11 @@ class LivePeak(TorchDispatchMode):
 
 
 def decode_peak(vae: torch.nn.Module, z: torch.Tensor) -> tuple[int, torch.Size]:
-    """(peak bytes of live tensors, output shape) of `vae.decode(z)` without gradients; z [n, C, (F,) H, W]."""
+    """(peak bytes of live tensors, output shape) of `vae.decode(z)` without gradients; z [n, C, (F,) H, W] (a VAE's
+    latents; diffusers returns `.sample`), or image tokens [n, A] (Janus's VQ model; it returns the pixels)."""
     with torch.no_grad(), LivePeak({p.untyped_storage()._cdata for p in vae.parameters()}) as live:
-        out = vae.decode(z).sample
-    return live.peak, out.shape
+        out = vae.decode(z)
+    return live.peak, getattr(out, "sample", out).shape
 
 
 def param_bytes(module: torch.nn.Module) -> int:

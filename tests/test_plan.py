@@ -279,3 +279,90 @@ def test_a_failed_measurement_keeps_the_by_hand_plan_and_names_the_failure(monke
         p = plan(load_config("configs/t2v/motion_grpo.yaml", ["train.micro_batch=2"]), measured=True)
     assert p["measure_error"] == "AssertionError: fake tensor meets a real one" and "peak_gib" not in p
     assert p["total_gib"] > 0 and "the measured plan failed" in caplog.text
+
+
+# ---------------------------------------------------------------------------------- Janus-Pro (model.policy: janus)
+JANUS = "configs/t2i/janus_pro_geneval_lora.yaml"
+
+
+@pytest.fixture(scope="module")
+def tiny_janus_folder(tmp_path_factory) -> str:
+    from test_janus import build_tiny_janus
+
+    return build_tiny_janus(str(tmp_path_factory.mktemp("models") / "tiny-janus"))
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_janus_plan_counts_what_the_policy_trains(tiny_janus_folder, lora):
+    """The tiny Janus folder (a 2-layer Llama of width 32, 1 KV head of 16, A = 16 image tokens) planned and measured
+    on fake tensors: the trainable parameters are the policy's own (build_janus_policy on the same config), the frozen
+    parts are the SigLIP tower, its aligner (the text head is tied into the trained embeddings here) and the VQ model,
+    and the KV cache, rows and FLOPs follow by hand."""
+    from mmrl.policy.janus import build_janus_policy
+
+    items = [f"model.path={tiny_janus_folder}", f"model.lora.enabled={str(lora).lower()}", "model.dtype=float32",
+             "model.device=cpu", "train.prompts_per_iter=4", "train.group_size=2", "train.micro_batch=2"]
+    cfg = load_config(JANUS, items)
+    p = plan(cfg, measured=True, device="cpu")
+    pol = build_janus_policy(cfg)
+    count = lambda params: sum(x.numel() for x in params)  # noqa: E731
+    m = pol.janus.model
+    assert p["trainable_params"] == count(pol.trainable_parameters()) == (32768 if lora else 25024)
+    assert p["params"] == count(pol.lm.parameters())
+    assert p["text_encoder_params"] == count(m.vision_model.parameters()) + count(m.aligner.parameters())
+    assert p["vae_params"] == count(m.vqmodel.parameters())
+    # 2 samples per chunk x 2 CFG rows x (48 prompt + 16 image tokens) x 2 layers x (K, V) x 1 head x 16 x 4 bytes
+    assert p["sampling_chain_gib"] * 2**30 == 2 * 2 * 64 * 2 * 2 * 1 * 16 * 4
+    assert p["micro_batch_rows"] == 4 and p["rows_sampled_per_iter"] == p["rows_trained_per_iter"] == 16
+    assert p["tflop_per_iter_training"] == pytest.approx(4 * p["tflop_per_iter_sampling"])  # checkpointed: 4 x fwd
+    assert "measure_error" not in p and p["peak_gib"] == max(p[f"{k}_gib"] for k in ("startup", "sampling",
+                                                                                       "decode", "train", "save"))
+    assert p["train_gib"] > p["startup_gib"] and p["decode_added_gib"] > 0
+
+
+def test_janus_rows_follow_cfg_grad_and_old_log_probs(tiny_janus_folder):
+    """cfg_grad=cond trains the conditional rows and runs the unconditional ones without gradient; two minibatches
+    cannot defer the old log-probs to the first training forward, so every CFG row pays one more forward."""
+    base = [f"model.path={tiny_janus_folder}", "model.dtype=float32", "train.prompts_per_iter=4", "train.group_size=2",
+            "train.micro_batch=2", "train.gradient_checkpointing=false"]
+    cond = plan(load_config(JANUS, base + ["sampler.cfg_grad=cond"]))
+    assert cond["rows_trained_per_iter"] == cond["rows_forward_only_per_iter"] == 8
+    fwd = cond["forward_tflop_per_row"]
+    assert cond["tflop_per_iter_training"] == pytest.approx(fwd * (8 * 3 + 8))
+    two = plan(load_config(JANUS, base + ["train.minibatches=2"]))
+    assert two["rows_sampled_per_iter"] == 8 * 2 * 2 and two["rows_trained_per_iter"] == 16
+
+
+@pytest.mark.parametrize("arch, params, hidden, inter, layers", [("janus-pro-1b", 2.0766e9, 2048, 5632, 24),
+                                                                 ("janus-pro-7b", 7.4078e9, 4096, 11008, 30)])
+def test_janus_pro_architectures_at_real_size(arch, params, hidden, inter, layers):
+    """The published Janus-Pro sizes on 8 GPUs under FSDP (by hand): the whole model, the recipe's LoRA (r = 32 on
+    q, k, v, o, gate, up, down of every layer: r x (in + out) each), the KV cache of a sampling chunk (4 samples x 2
+    CFG rows x (48 + 576) tokens, head dim 128, bf16), and full fine-tuning's fp32 KL copy, which the policy keeps
+    whole on every rank."""
+    lora = plan(load_config(JANUS, ["train.parallel=fsdp"]), arch, world=8)
+    adapters = 32 * (4 * 2 * hidden + 2 * (hidden + inter) + (inter + hidden))
+    assert lora["trainable_params"] == layers * adapters
+    assert lora["params"] - lora["trainable_params"] + lora["text_encoder_params"] + lora["vae_params"] == \
+        pytest.approx(params, rel=1e-4)
+    assert lora["sampling_chain_gib"] * 2**30 == 4 * 2 * 624 * layers * 2 * hidden * 2
+    assert lora["rows_per_rank"] == 16 and lora["micro_batch_rows"] == 8 and lora["kl_reference_copy_gib"] == 0
+    full = plan(load_config(JANUS, ["train.parallel=fsdp", "model.lora.enabled=false"]), arch, world=8)
+    assert full["trainable_params"] == full["params"]
+    assert full["kl_reference_copy_gib"] == pytest.approx(4 * full["params"] / 2**30)
+    assert full["adamw_state_fp32_gib"] == pytest.approx(8 * full["params"] / 8 / 2**30)
+    with pytest.raises(ValueError, match="--arch janus-pro-7b is a janus model"):
+        plan(load_config("configs/grounding/charades_qwen25vl_lora.yaml"), "janus-pro-7b")
+
+
+@pytest.mark.slow  # ~1 min: the 7 B model's iteration on fake tensors
+def test_janus_pro_7b_measured_at_world_8():
+    """`mmrl plan configs/t2i/janus_pro_geneval_lora.yaml --arch janus-pro-7b --world 8 train.parallel=fsdp`: at
+    start-up a rank holds its shard of the language model, the whole understanding path and VQ model, and the largest
+    tensor received whole (the bf16 token embeddings, 102400 x 4096)."""
+    p = plan(load_config(JANUS, ["train.parallel=fsdp"]), "janus-pro-7b", world=8, measured=True)
+    assert "measure_error" not in p
+    held = p["weights_frozen_gib"] + p["weights_trained_fp32_gib"] + p["text_encoders_gib"] + p["vae_gib"]
+    assert p["startup_gib"] == pytest.approx(held + 102400 * 4096 * 2 / 2**30, rel=0.02)
+    assert p["sampling_added_gib"] > p["sampling_chain_gib"] and p["decode_added_gib"] == pytest.approx(
+        p["vae_decode_transient_gib"], rel=0.05)
