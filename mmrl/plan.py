@@ -32,7 +32,9 @@ policy's targets or fully trained; the training forward is the policy's `_scores
 gradient). Frozen and replicated beside it (the "text encoders" slot): the SigLIP tower, its aligner and the text
 head; the VQ model is the VAE slot, its decode of a sampling chunk (A tokens -> pixels) the decode transient. The
 sampling chain is the KV cache of a chunk's generation (2 rows per sample, prompt + A tokens); a full fine-tuning
-reference is the policy's copy of the fp32 ImageTokenLM, not sharded. Prompts are `prompt_tokens` long (default 48:
+reference is the policy's copy of the fp32 ImageTokenLM, not sharded. The policy loads the whole model onto each GPU
+and shards it afterwards: start-up holds the whole ImageTokenLM (fp32 where it trains), the reference and the frozen
+parts at once (peak_loading). Prompts are `prompt_tokens` long (default 48:
 a GenEval prompt in Janus's chat template is 20-35); rollouts keep image tokens and log-probs (the decoded images go
 to host memory). FLOPs: a CFG row's generation is counted as one forward of its sequence (the KV cache makes the
 576 steps one pass), plus one more per row for the old log-probs when the trainer cannot defer them.
@@ -165,6 +167,7 @@ class Parts:
     names: dict = field(default_factory=lambda: dict(NAMES))  # what the frozen slots hold (format_plan's labels)
     reference_itemsize: int = 0  # bytes per parameter of a full fine-tuning KL copy (0: model.dtype's)
     checkpoint: Callable[[], None] | None = None  # gradient checkpointing on as the policy does (None: the model's)
+    loaded_whole: int = 0      # the trained model's bytes on a GPU before sharding (0: loaded into shards)
 
 
 def _architecture(cfg, arch_name: str | None) -> dict | None:
@@ -288,10 +291,12 @@ def _janus_parts(cfg, arch: dict | None, rows: Rows, prompt_tokens: int, needs_r
     shapes = Shapes(m * cfg_rows, rows.total * cfg_rows * (1 if deferred else 2), trained * (cfg_rows if full else 1),
                     0 if full else trained)
     passes = -(-rows.share // m) * t.grad_accum  # training forwards per optimizer step on a rank
+    whole = sum(q.numel() * (4 if q.requires_grad else q.element_size()) for q in lm.parameters())  # upcast, unsharded
     workload = functools.partial(janus_workload, cfg, janus, lm, frozen, vq, scorer, chunk=rows.chunk, m=m, prompt=p,
                                  kept=stored, passes=passes, needs_reference=needs_reference)
     return Parts(lm, run, shapes, stored, workload, frozen, vq, decode, kv, names=dict(JANUS_NAMES),
-                 reference_itemsize=4, checkpoint=functools.partial(JanusPolicy.enable_gradient_checkpointing, scorer))
+                 reference_itemsize=4, checkpoint=functools.partial(JanusPolicy.enable_gradient_checkpointing, scorer),
+                 loaded_whole=whole)
 
 
 def _state(cfg, model: torch.nn.Module, shard: int, reference_itemsize: int = 0) -> dict[str, float]:
@@ -336,6 +341,8 @@ def _by_hand(cfg, parts: Parts, rows: Rows, world: int, cp: int) -> dict:
     peak_sampling = resident + text_bytes + vae_bytes + parts.chain + parts.decode
     peak_training = resident + state["gradients_fp32"] + (act_ckpt if t.gradient_checkpointing else act) / cp \
         + (0 if cfg.model.offload else text_bytes + vae_bytes)
+    # a policy that loads onto the GPU before sharding (Janus) holds its whole trained model, fp32 where it trains
+    peak_loading = parts.loaded_whole + state["kl_reference_copy"] + text_bytes + vae_bytes if parts.loaded_whole else 0
     fwd_row, train_factor = meas["flops"] / shapes.rows, 4 if t.gradient_checkpointing else 3
     trained_rows = shapes.rows_trained * train_factor + shapes.rows_forward_only  # forward row equivalents
     frac = rows.rank / rows.total  # of an iteration's rows, on one rank
@@ -362,7 +369,7 @@ def _by_hand(cfg, parts: Parts, rows: Rows, world: int, cp: int) -> dict:
         "activations_per_micro_batch_gib": act / GiB / cp,
         "activations_per_micro_batch_checkpointed_gib": act_ckpt / GiB / cp,
         "peak_sampling_gib": peak_sampling / GiB, "peak_training_gib": peak_training / GiB,
-        "total_gib": max(peak_sampling, peak_training) / GiB,
+        "peak_loading_gib": peak_loading / GiB, "total_gib": max(peak_sampling, peak_training, peak_loading) / GiB,
         "forward_tflop_per_row": fwd_row / 1e12,
         "tflop_per_iter_sampling": fwd_row * shapes.rows_sampled / 1e12,
         "tflop_per_iter_training": fwd_row * trained_rows / 1e12,
@@ -452,7 +459,8 @@ def format_plan(p: dict) -> str:
              f"  rank rows / minibatch mean {p['rank_rows_per_minibatch_mean']:.1f}, planned "
              f"{p['rank_rows_per_minibatch_planned']} (exceeded in < 1e-6 of minibatches), most "
              f"{p['rank_rows_per_minibatch_max']}",
-             f"  peak sampling         {g('peak_sampling_gib')}   peak training {g('peak_training_gib')}",
+             f"  peak sampling         {g('peak_sampling_gib')}   peak training {g('peak_training_gib')}"
+             f"{'   peak loading (whole, before sharding) ' + g('peak_loading_gib') if p.get('peak_loading_gib') else ''}",
              *([f"  measured per GPU      start-up {g('startup_gib')}   sampling {g('sampling_gib')}   decode "
                 f"{g('decode_gib')}   training {g('train_gib')}   save {g('save_gib')}",
                 f"                        (fake tensors, world {p['sharded_over']} fake process group, torch MemTracker: "

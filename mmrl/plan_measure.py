@@ -10,7 +10,8 @@ no different: it reads weights into host memory and broadcasts one tensor at a t
 before keeping its shard):
   startup   the trained weights (fp32, sharded under FSDP), the frozen KL reference copy (full fine-tuning; at
             model.dtype, sharded like the live copy), text encoders and VAE (replicated at model.dtype), EMA (fp32,
-            sharded), plus the largest tensor received whole while loading;
+            sharded), plus the largest tensor received whole while loading (a policy that loads its model onto the
+            device before sharding it, Janus: the whole trained module at once, `Workload.loaded_whole`);
   sampling  + what a rank keeps from sampling to training (rollout storage, prompt-embedding cache) and the chain of
             latents of its rows, + one no-grad transformer forward of a sampling chunk (CFG doubles its rows);
   decode    + the VAE decode of one sampling chunk (the chain freed);
@@ -166,6 +167,8 @@ class Workload:
     needs_reference: bool = False               # the objective runs the reference (KL) before each pass
     ema_decay: float = 0.0
     shard_reference: bool = True                # FSDP shards the reference copy like the live one (flow policies)
+    loaded_whole: int = 0                       # bytes of the trained modules held whole before sharding (0: loaded
+                                                # into shards)
     extra: dict = field(default_factory=dict)
 
 
@@ -191,6 +194,11 @@ def measure(w: Workload, size: int, parallel: str, mixed_precision: str, foreach
             largest = max((p for m in trained + reference for p in m.parameters()), key=lambda p: p.numel())
             whole = torch.empty(largest.shape, dtype=largest.dtype)
             del whole
+            if w.loaded_whole:  # on the device whole, then sharded: the whole module less the shard kept
+                local = [p.to_local() if hasattr(p, "to_local") else p for m in trained for p in m.parameters()]
+                kept_shard = sum(p.numel() * p.element_size() for p in local)
+                whole = torch.empty(max(w.loaded_whole - kept_shard, 0), dtype=torch.uint8)
+                del whole
             ema = EMA(params, w.ema_decay) if w.ema_decay > 0 else None
         # ------------------------------------------------------------------------------------------ sampling
         with tracker.phase(peaks, "sampling"), torch.no_grad():
@@ -364,4 +372,6 @@ def janus_workload(cfg, janus, lm, frozen, vq, scorer, *, chunk: int, m: int, pr
         vq.decode(torch.zeros(chunk, a, dtype=torch.long))
 
     return Workload([lm], reference, [*frozen, vq], sample, loss, decode, kept, 0, passes, needs_reference,
-                    cfg.train.ema_decay, shard_reference=False)  # JanusPolicy wraps its live ImageTokenLM only
+                    cfg.train.ema_decay, shard_reference=False,  # JanusPolicy wraps its live ImageTokenLM only
+                    loaded_whole=sum(p.numel() * p.element_size() for p in lm.parameters()))  # build_janus_policy
+                                                                    # loads the whole model onto each GPU
