@@ -34,10 +34,10 @@ head; the VQ model is the VAE slot, its decode of a sampling chunk (A tokens -> 
 sampling chain is the KV cache of a chunk's generation (2 rows per sample, prompt + A tokens); a full fine-tuning
 reference is the policy's copy of the fp32 ImageTokenLM, not sharded. The policy loads the whole model onto each GPU
 and shards it afterwards: start-up holds the whole ImageTokenLM (fp32 where it trains), the reference and the frozen
-parts at once (peak_loading). Prompts are `prompt_tokens` long (default 48: a GenEval prompt in Janus's chat
-template is 20-35); rollouts keep image tokens and log-probs (the decoded images go to host memory). FLOPs: a CFG
-row's generation is counted as one forward of its sequence (the KV cache makes the A steps one pass), plus one more
-per row for the old log-probs when the trainer cannot defer them.
+parts at once (peak_loading). Prompts are `prompt_tokens` long (default 48, a bound: GenEval's longest prompt is 12
+words, some 30 tokens in Janus's chat template); rollouts keep image tokens and log-probs (the decoded images go to
+host memory). FLOPs: a CFG row's generation is counted as one forward of its sequence (the KV cache makes the A
+steps one pass), plus one more per row for the old log-probs when the trainer cannot defer them.
 
 Several GPUs (`world` data-parallel processes x `cp` context-parallel ranks each): a rank samples ceil(B / world)
 whole groups; minibatches are chunks of one global permutation, so a rank's rows in one minibatch vary: without
