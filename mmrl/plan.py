@@ -436,6 +436,7 @@ def format_plan(p: dict) -> str:
     g = lambda k: f"{p[k]:.2f} GiB"  # noqa: E731
     n = p.get("names", NAMES)
     forward_only = f" + {p['rows_forward_only_per_iter']} rows fwd" if p.get("rows_forward_only_per_iter") else ""
+    loading = f"   peak loading (whole, before sharding) {g('peak_loading_gib')}" if p.get("peak_loading_gib") else ""
     cp_note = f" (1/{p['cp']} of the tokens per GPU)" if p["cp"] > 1 else ""
     layout = (f"{p['gpus']} GPU(s): --world {p['world']} x --cp {p['cp']}, train.parallel={p['parallel']}, "
               f"weights / gradients / AdamW / EMA sharded over {p['sharded_over']}")
@@ -459,8 +460,7 @@ def format_plan(p: dict) -> str:
              f"  rank rows / minibatch mean {p['rank_rows_per_minibatch_mean']:.1f}, planned "
              f"{p['rank_rows_per_minibatch_planned']} (exceeded in < 1e-6 of minibatches), most "
              f"{p['rank_rows_per_minibatch_max']}",
-             f"  peak sampling         {g('peak_sampling_gib')}   peak training {g('peak_training_gib')}"
-             f"{'   peak loading (whole, before sharding) ' + g('peak_loading_gib') if p.get('peak_loading_gib') else ''}",
+             f"  peak sampling         {g('peak_sampling_gib')}   peak training {g('peak_training_gib')}{loading}",
              *([f"  measured per GPU      start-up {g('startup_gib')}   sampling {g('sampling_gib')}   decode "
                 f"{g('decode_gib')}   training {g('train_gib')}   save {g('save_gib')}",
                 f"                        (fake tensors, world {p['sharded_over']} fake process group, torch MemTracker: "
