@@ -260,7 +260,9 @@ def _token_parts(cfg, arch: dict | None, rows: Rows, prompt_tokens: int, needs_r
     stored = rows.rank * (8 * seq + 4 * s.max_new_tokens)  # int64 token ids, fp32 old log-probs
     workload = functools.partial(token_workload, cfg, model, chunk=rows.chunk, m=m, seq=seq, kept=stored,
                                  needs_reference=needs_reference)
-    return Parts(model, run, Shapes(m, rows.total, rows.total * t.inner_epochs), stored, workload)
+    whole = sum(q.numel() * (4 if q.requires_grad else q.element_size()) for q in model.parameters())  # upcast, unsharded
+    return Parts(model, run, Shapes(m, rows.total, rows.total * t.inner_epochs), stored, workload,
+                 loaded_whole=whole)  # build_token_policy loads the whole model onto each GPU before sharding
 
 
 def _janus_parts(cfg, arch: dict | None, rows: Rows, prompt_tokens: int, needs_reference: bool) -> Parts:

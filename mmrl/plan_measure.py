@@ -328,7 +328,9 @@ def token_workload(cfg, model, *, chunk: int, m: int, seq: int, kept: int, needs
     return Workload([model], reference, [], lambda: forward(model, chunk, True),
                     lambda ref: forward(reference[0] if ref and reference else model, m, False), None, kept, 0,
                     # one pass, synced: the vision tower never runs here (token ids stand in for the media)
-                    1, needs_reference, cfg.train.ema_decay, shard_reference=False)
+                    1, needs_reference, cfg.train.ema_decay, shard_reference=False,
+                    # build_token_policy loads the whole model onto each GPU, then FSDP shards it
+                    loaded_whole=sum(p.numel() * (4 if p.requires_grad else p.element_size()) for p in model.parameters()))
 
 
 def janus_workload(cfg, janus, lm, frozen, vq, scorer, *, chunk: int, m: int, prompt: int, kept: int, passes: int,
