@@ -3,7 +3,12 @@ class, config in code) whose VQ model turns a 36 x 36 shapes image into 9 x 9 = 
 model generates those codes after a prompt; the janus policy (mmrl/policy/janus.py) loads the saved folder as it
 loads Janus-Pro. Reproduces the committed base:
 
-    python scripts/pretrain_ar_world.py --minutes 18 --threads 1 --out tasks/assets/shapes-ar-base
+    python scripts/pretrain_ar_world.py --minutes 18 --vq-minutes 4 --threads 1 --out tasks/assets/shapes-ar-base
+
+and the equal-time pretraining control of a 16-minute GRPO run on it (its language model trained on, VQ model kept):
+
+    python scripts/pretrain_ar_world.py --init tasks/assets/shapes-ar-base --minutes 16 --threads 1 --seed S \
+        --cfg-scales 1.5 --out runs/ar_control_16min_sS/model
 
 Both phases train on images rendered from the world's TRAIN texts (held-out texts are never seen; categories drawn
 equally, as scripts/pretrain_world.py draws them), and the clock (`--minutes`, VQ then language model) excludes the
@@ -14,12 +19,12 @@ evaluations:
    the encoder learns to pick a patch's code (cross-entropy over its cosines with the codebook) and the decoder to
    reconstruct the image from the codes (MSE). `--vq vae`: a VQ-VAE (arXiv 1711.00937) with 256 l2-normalized codes,
    the reconstruction MSE + the codebook term |sg(z) - e|^2 + 0.25 |z - sg(e)|^2 (commitment), straight-through
-   gradients and dead-code restarts. Both reconstruct shapes the detector reads (99.6 % strict), but the VQ-VAE's
-   encoder sees the whole image and the decoder decodes the gray background from any of ~150 codes: a position's
-   code carries 4.0 nats beyond its patch, noise the language model then has to predict (docs/results.md, "An
-   autoregressive shapes world"). The codebook is saved normalized: transformers' `JanusVQVAE.encode` (nearest code
-   by Euclidean distance) then picks the codes trained here, and its `decode` (which normalizes each code) decodes
-   them as trained.
+   gradients and dead-code restarts. Both reconstruct shapes the detector reads (100 % and 99.6 % strict), but the
+   VQ-VAE's encoder sees the whole image and its decoder decodes the gray background from any of ~150 codes: a
+   position's code carries 4.0 nats beyond its patch, noise the language model then has to predict
+   (docs/results.md, "An autoregressive shapes world"). The codebook is saved normalized: transformers'
+   `JanusVQVAE.encode` (nearest code by Euclidean distance) then picks the codes trained here, and its `decode`
+   (which normalizes each code) decodes them as trained.
 2. The image-generation path (language model, generation embeddings, aligner and head: `ImageTokenLM`, the module
    the janus policy trains) by next-token cross-entropy on the 81 codes of `JanusVQVAE.encode` after Janus's
    image-generation prompt; `--cond-drop` of the prompts are replaced by the unconditional prompt of the policy's
@@ -33,6 +38,7 @@ Writes OUT (save_pretrained: safetensors, JanusProcessor) with pretrain_info.jso
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -227,13 +233,17 @@ def reconstruction(vq, vocab: torch.Tensor, n: int, seed: int) -> dict:
     rec = vq.decode(codes).clamp(-1, 1)
     r = ShapesReward()(rec, texts)
     patch = torch.cdist(patches(x).flatten(0, 1), vocab).argmin(1)                     # [n * 81]
-    joint = torch.zeros(len(vocab), vq.quantize.embedding.num_embeddings)
-    joint.index_put_((patch, codes.flatten()), torch.ones(len(patch)), accumulate=True)
-    p_code = joint / joint.sum(1, keepdim=True).clamp(min=1)                            # p(code | patch)
-    entropy = -(joint * torch.where(joint > 0, p_code.log(), 0.0)).sum() / len(patch)
     return {"strict": round(r["strict"].mean().item(), 4), "partial": round(r["partial"].mean().item(), 4),
             "mse": round(F.mse_loss(rec, x).item(), 5), "codes_used": int(codes.unique().numel()),
-            "code_entropy_given_patch": round(entropy.item(), 3) + 0.0}  # + 0.0: no -0.0
+            "code_entropy_given_patch": round(conditional_entropy(codes.flatten(), patch), 3)}
+
+
+def conditional_entropy(y: torch.Tensor, x: torch.Tensor) -> float:
+    """H(y | x) in nats of paired samples y [N], x [N] (integer labels): -sum p(x, y) log p(y | x)."""
+    joint = torch.zeros(int(x.max()) + 1, int(y.max()) + 1)
+    joint.index_put_((x, y), torch.ones(len(x)), accumulate=True)
+    p_y = joint / joint.sum(1, keepdim=True).clamp(min=1)                               # p(y | x)
+    return -(joint * torch.where(joint > 0, p_y.log(), 0.0)).sum().item() / len(x) + 0.0  # + 0.0: no -0.0
 
 
 # ------------------------------------------------------------------------------------------------ language model
@@ -309,17 +319,13 @@ class Clock:
     def done(self, start: float, minutes: float, step: int, steps: int) -> bool:
         return step >= steps if steps else self.minutes() - start >= minutes
 
+    @contextlib.contextmanager
     def pause(self):
-        clock = self
-
-        class Paused:
-            def __enter__(self):
-                self.t = time.time()
-
-            def __exit__(self, *exc):
-                clock.paused += time.time() - self.t
-
-        return Paused()
+        t = time.time()
+        try:
+            yield
+        finally:
+            self.paused += time.time() - t
 
 
 def parse_args(argv=None):

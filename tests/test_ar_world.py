@@ -26,6 +26,15 @@ def examples(split: str, n: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def script():
+    """scripts/pretrain_ar_world.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("pretrain_ar_world", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
 def policy():
     from mmrl.compose import build_policy, load_config
 
@@ -90,14 +99,57 @@ def test_one_grpo_iteration(tmp_path):
     assert line["train/first_ratio_dev"] < 1e-4
 
 
-def test_pretrain_script_quick(tmp_path):
+def test_patches_and_their_vocabulary(script):
+    """The 4 x 4 patches of an image in the VQ model's row-major token order; the world's 85 patches (background
+    first) hold every patch of rendered images; H(code | patch) on hand numbers."""
+    from tasks import shapes
+
+    x = torch.arange(2 * 3 * 36 * 36, dtype=torch.float32).view(2, 3, 36, 36)
+    p = script.patches(x)                                                                # [2, 81, 48]
+    assert p.shape == (2, 81, 48) and torch.equal(p[1, 9 + 2], x[1, :, 4:8, 8:12].flatten())  # token row 1, column 2
+    vocab = script.patch_vocabulary()
+    assert vocab.shape == (85, 48) and torch.unique(vocab, dim=0).shape[0] == 85
+    blank = shapes.to_tensor(shapes.render(shapes.Spec("counting", ()), 36))[None]     # no objects: the background
+    assert torch.equal(vocab[0], script.patches(blank)[0, 40])
+    rng = random.Random(0)
+    imgs = torch.stack([shapes.to_tensor(shapes.render(rng.choice(shapes.prompts("all")).spec, 36, rng))
+                        for _ in range(64)])
+    assert torch.cdist(script.patches(imgs).flatten(0, 1), vocab).min(1).values.max() < 1e-2
+    h = script.conditional_entropy
+    assert h(torch.tensor([0, 1, 0, 1]), torch.tensor([0, 0, 0, 0])) == pytest.approx(0.693147, abs=1e-6)  # log 2
+    assert h(torch.tensor([0, 1, 2, 2]), torch.tensor([0, 0, 1, 1])) == pytest.approx(0.346574, abs=1e-6)  # log 2 / 2
+    assert h(torch.tensor([3, 5, 3]), torch.tensor([0, 1, 0])) == 0.0
+
+
+def test_pretraining_loss_is_the_policys_log_prob(script, policy):
+    """Without CFG the pretraining cross-entropy is minus the mean log-prob the janus policy gives the same codes
+    (one scoring path for pretraining and RL); a dropped prompt is the policy's unconditional one."""
+    from mmrl.data import Rollout
+
+    texts, x = script.Data(random.Random(1)).batch(3)
+    codes = script.tokenize(policy.janus.model.vqmodel, x)                              # [3, 81]
+    no_drop = torch.zeros(3, dtype=torch.bool)
+    ro = Rollout(group_id=torch.arange(3), old_log_prob=torch.zeros(3, 81),
+                 action_mask=torch.ones(3, 81, dtype=torch.bool), examples=[{"prompt": t} for t in texts],
+                 outputs=x, extras={"image_ids": codes})
+    scale = policy.cfg_scale
+    try:
+        policy.cfg_scale = 1.0
+        with torch.no_grad():
+            want = -policy.log_prob(ro, torch.arange(3)).log_prob.mean()
+            got = script.lm_loss(policy, policy.janus.model.vqmodel, texts, x, no_drop)
+            dropped = script.lm_loss(policy, policy.janus.model.vqmodel, texts, x, torch.ones(3, dtype=torch.bool))
+    finally:
+        policy.cfg_scale = scale
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert dropped > got  # the prompt tells the model what to draw
+
+
+def test_pretrain_script_quick(script, tmp_path):
     """--quick (a tiny model, 3 VQ and 3 language-model steps) writes a folder with its log that the janus policy
     loads and samples from; --help works as a user runs it."""
     from mmrl.compose import build_policy, load_config
 
-    spec = importlib.util.spec_from_file_location("pretrain_ar_world", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     out = str(tmp_path / "ar-base")
     info = script.main(["--quick", "--out", out])
     assert info["vq_steps"] == 3 and info["lm_steps"] == 3 and info["cfg_scale"] in (1.0, 2.0)
@@ -107,5 +159,6 @@ def test_pretrain_script_quick(tmp_path):
     ro = pol.sample(examples("train", 1), 2, torch.Generator().manual_seed(0))
     assert ro.outputs.shape == (2, 3, 36, 36)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, SCRIPT, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, SCRIPT, "--help"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0 and "usage" in r.stdout
