@@ -41,9 +41,10 @@ def policy():
     return build_policy(load_config(CONFIG, ["model.device=cpu"]))
 
 
-def test_committed_base_loads_and_its_vq_keeps_the_shapes(policy):
-    """The folder is small, loads as transformers' Janus through model.policy=janus, and its VQ model's own encode
-    then decode of rendered TRAIN images keeps what the detector checks (originals: strict 1)."""
+def test_committed_base_loads_and_its_vq_keeps_the_shapes(policy, script):
+    """The folder is small, loads as transformers' Janus through model.policy=janus, its VQ model's own encode gives
+    each 4 x 4 patch its code in the world's patch vocabulary, and encode then decode of rendered TRAIN images keeps
+    what the detector checks (originals: strict 1)."""
     from rewards.shapes import ShapesReward
     from tasks import shapes
 
@@ -56,6 +57,8 @@ def test_committed_base_loads_and_its_vq_keeps_the_shapes(policy):
     x = torch.stack([shapes.to_tensor(shapes.render(p.spec, 36, rng)) for p in ps])    # [24, 3, 36, 36]
     with torch.no_grad():
         codes = policy.janus.model.vqmodel.encode(x).image_tokens.view(24, -1)          # [24, 81]
+    patch = torch.cdist(script.patches(x).flatten(0, 1), script.patch_vocabulary()).argmin(1).view(24, 81)
+    assert torch.equal(codes, patch)
     rec = policy.decode(codes)
     assert ShapesReward()(x, [p.text for p in ps])["strict"].mean() == 1.0
     assert ShapesReward()(rec, [p.text for p in ps])["strict"].mean() >= 0.9
