@@ -175,6 +175,11 @@ def run(args) -> int:
         from mmrl.eval import eval_main
         from mmrl.evaluation import EVAL_SEED
 
+        if cfg.train.threads:  # as the trainer: a shared machine's run sets 1
+            import torch
+
+            torch.set_num_threads(cfg.train.threads)
+
         args.seed = EVAL_SEED if args.seed is None else args.seed
         return eval_main(args, cfg)
     raise AssertionError(args.cmd)
