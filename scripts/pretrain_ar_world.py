@@ -48,12 +48,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|User|>", "<|Assistant|>", "<image_placeholder>", "<begin_of_image>",
-            "<end_of_image>"]
-# Janus-Pro's prompt form: <|User|>: {text}\n\n<|Assistant|>: (the processor then appends <begin_of_image>)
-TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<|User|>: {% else %}<|Assistant|>: {% endif %}"
-            "{% for c in m['content'] %}{{ c['text'] }}{% endfor %}{{ '\\n\\n' }}{% endfor %}"
-            "{% if add_generation_prompt %}<|Assistant|>:{% endif %}")
+from mmrl.testing.janus import TEMPLATE, word_tokenizer
+
 IMAGE, PATCH = 36, 4  # pixels; the VQ model's downsampling: 9 x 9 codes
 # small: the committed base; tiny: --quick (a smoke test of the whole script in seconds)
 SIZES = {
@@ -68,22 +64,12 @@ def build_shapes_janus(size: dict, codes: int, seed: int = 0):
     vocabulary with Janus's special tokens and chat template; a Llama language model; a VQ model whose encoder
     downsamples 36 x 36 images by 4 (len(vq_mult) = 3 levels) to 81 codes (of `codes`) of 8 dims; the SigLIP tower
     at the smallest size its config takes (image generation never runs it)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import (JanusConfig, JanusForConditionalGeneration, JanusImageProcessor, JanusProcessor,
-                              PreTrainedTokenizerFast)
+    from transformers import JanusConfig, JanusForConditionalGeneration, JanusImageProcessor, JanusProcessor
 
     from tasks import shapes
 
     words = sorted({w for p in shapes.all_prompts() for w in p.text.split()}) + [":"]
-    vocab = {t: i for i, t in enumerate(SPECIALS + words)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.add_special_tokens(SPECIALS)
-    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
-    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                  unk_token="<unk>", padding_side="left", additional_special_tokens=SPECIALS[4:],
-                                  extra_special_tokens={"image_token": "<image_placeholder>",
-                                                        "boi_token": "<begin_of_image>", "eoi_token": "<end_of_image>"})
+    tok = word_tokenizer(words)
     h, tokens = size["hidden"], (IMAGE // PATCH) ** 2
     text = dict(model_type="llama", vocab_size=len(tok), hidden_size=h, intermediate_size=2 * h,
                 num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
@@ -98,12 +84,12 @@ def build_shapes_janus(size: dict, codes: int, seed: int = 0):
               num_hidden_layers=2)
     torch.manual_seed(seed)
     model = JanusForConditionalGeneration(JanusConfig(text_config=text, vision_config=vision, vq_config=vq,
-                                                      image_token_id=vocab["<image_placeholder>"]))
+                                                      image_token_id=tok.convert_tokens_to_ids("<image_placeholder>")))
     assert model.config.vq_config.num_patches ** 2 == tokens and 2 ** (len(size["vq_mult"]) - 1) == PATCH
     # what transformers' own generate(generation_mode="image") reads (tests/test_janus.py: hf_generate)
     gc = model.generation_config
     gc.bos_token_id, gc.pad_token_id = tok.bos_token_id, tok.pad_token_id
-    gc.generation_kwargs = {"boi_token_id": vocab["<begin_of_image>"]}
+    gc.generation_kwargs = {"boi_token_id": tok.convert_tokens_to_ids("<begin_of_image>")}
     ip = JanusImageProcessor(size={"height": IMAGE, "width": IMAGE}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     processor = JanusProcessor(image_processor=ip, tokenizer=tok, chat_template=TEMPLATE, num_image_tokens=tokens)
     return model, processor

@@ -14,35 +14,21 @@ import sys
 import pytest
 import torch
 
+from mmrl.testing.janus import TEMPLATE, word_tokenizer
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "configs/t2i/janus_pro_geneval_lora.yaml")
 PROMPTS = [{"prompt": "a red circle"}, {"prompt": "two blue squares left of a green triangle"}]
-SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|User|>", "<|Assistant|>", "<image_placeholder>", "<begin_of_image>",
-            "<end_of_image>"]
 WORDS = ("a an the of photo red green blue yellow purple orange pink brown black white circle circles square squares "
          "triangle triangles one two three four left right above below dog cat car : , .").split()
-# Janus-Pro's prompt form: <|User|>: {text}\n\n<|Assistant|>: (the processor then appends <begin_of_image>)
-TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<|User|>: {% else %}<|Assistant|>: {% endif %}"
-            "{% for c in m['content'] %}{{ c['text'] }}{% endfor %}{{ '\\n\\n' }}{% endfor %}"
-            "{% if add_generation_prompt %}<|Assistant|>:{% endif %}")
 
 
 def build_tiny_janus(path: str, seed: int = 0) -> str:
     """Save a tiny random-init JanusForConditionalGeneration with its JanusProcessor (a word-level tokenizer with
     Janus's special tokens and a BOS, Janus's chat template) at path."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import (JanusConfig, JanusForConditionalGeneration, JanusImageProcessor, JanusProcessor,
-                              PreTrainedTokenizerFast)
+    from transformers import JanusConfig, JanusForConditionalGeneration, JanusImageProcessor, JanusProcessor
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.add_special_tokens(SPECIALS)
-    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
-    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                  unk_token="<unk>", padding_side="left", additional_special_tokens=SPECIALS[4:],
-                                  extra_special_tokens={"image_token": "<image_placeholder>",
-                                                        "boi_token": "<begin_of_image>", "eoi_token": "<end_of_image>"})
+    tok = word_tokenizer(WORDS)
     hidden = 32
     text = dict(model_type="llama", vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
@@ -53,7 +39,7 @@ def build_tiny_janus(path: str, seed: int = 0) -> str:
               num_res_blocks=1, projection_dim=hidden, image_token_embed_dim=hidden, num_hidden_layers=2)
     torch.manual_seed(seed)
     model = JanusForConditionalGeneration(JanusConfig(text_config=text, vision_config=vision, vq_config=vq,
-                                                      image_token_id=vocab["<image_placeholder>"]))
+                                                      image_token_id=tok.convert_tokens_to_ids("<image_placeholder>")))
     model.save_pretrained(path)
     ip = JanusImageProcessor(size={"height": 16, "width": 16}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     JanusProcessor(image_processor=ip, tokenizer=tok, chat_template=TEMPLATE, num_image_tokens=16).save_pretrained(path)

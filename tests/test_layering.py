@@ -15,7 +15,7 @@ LAYERS = [
     # 0 leaves: import nothing from mmrl (config_files: only the config; any: the user errors, preemption)
     ["mmrl", "mmrl.errors", "mmrl.devices", "mmrl.preemption", "mmrl.seeds", "mmrl.train_stats", "mmrl.registry", "mmrl.config", "mmrl.config_files", "mmrl.cache", "mmrl.data",
      "mmrl.metrics", "mmrl.optim", "mmrl.testing",
-     "mmrl.testing.fake_device", "mmrl.testing.family", "mmrl.models", "mmrl.models.architectures", "mmrl.models.pixel_t2i",
+     "mmrl.testing.fake_device", "mmrl.testing.family", "mmrl.testing.janus", "mmrl.models", "mmrl.models.architectures", "mmrl.models.pixel_t2i",
      "mmrl.models.qwen_vl", "mmrl.sampling.*", "mmrl.rollout", "mmrl.rollout.engine",
      "mmrl.context_parallel"],
     # 1 building blocks: algorithms, models, samplers, rollout engines
