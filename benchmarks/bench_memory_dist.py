@@ -21,6 +21,11 @@ unmapped), the same for 1 and 2 processes; --glibc-default measures without it.
     OMP_NUM_THREADS=1 python benchmarks/bench_memory_dist.py              # ~170 M parameters, a few minutes
     OMP_NUM_THREADS=1 python benchmarks/bench_memory_dist.py --quick      # 2 layers (38 M), about 4 minutes
     OMP_NUM_THREADS=1 python benchmarks/bench_memory_dist.py --dtype bfloat16   # model.dtype bf16 (+ bf16 compute)
+    OMP_NUM_THREADS=1 python benchmarks/bench_memory_dist.py --policy janus      # the Janus policy (~160 M)
+
+--policy janus: the AR shapes world's Janus (tasks/assets/shapes-ar-base) with its language model widened to 12
+layers of 1024 (~160 M parameters; --quick: 2 layers), the same phases, one token-GRPO iteration of
+configs/t2i/shapes_ar_grpo.yaml with a k3 KL to a frozen reference copy and EMA; the base is the committed 1.15 M one.
 
 The last line is one JSON object: {"params", "peaks_mib": {run: {rank: {phase: MiB}}}, "model_mib", "ratio"}.
 """
@@ -37,6 +42,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "tasks/assets/shapes-base")
+AR_BASE = os.path.join(ROOT, "tasks/assets/shapes-ar-base")
 PHASES = ("startup", "sampling", "training", "save", "final_save", "resume")
 
 
@@ -56,6 +62,24 @@ def build_model(path: str, layers: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def build_janus(path: str, layers: int) -> int:
+    """The AR shapes world's Janus folder with a wide language model (random init, fp32) and the base's processor;
+    returns its parameter count."""
+    import torch
+    from transformers import JanusConfig, JanusForConditionalGeneration
+
+    shutil.copytree(AR_BASE, path, ignore=shutil.ignore_patterns("model.safetensors", "config.json"))
+    config = JanusConfig.from_pretrained(AR_BASE)
+    hidden = 1024
+    config.text_config.update(dict(hidden_size=hidden, intermediate_size=2816, num_hidden_layers=layers,
+                                   num_attention_heads=16, num_key_value_heads=16, head_dim=64))
+    config.vision_config.projection_dim = config.vq_config.projection_dim = config.vq_config.image_token_embed_dim = hidden
+    torch.manual_seed(0)
+    model = JanusForConditionalGeneration(config)
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
 def worker(spec: dict) -> None:
     """One rank of one run: the phases in order, their peaks (KiB) written to spec["out"] + rank."""
     import torch
@@ -66,7 +90,7 @@ def worker(spec: dict) -> None:
 
     torch.set_num_threads(1)
     marks: dict[str, int] = {}
-    cfg = load_config(os.path.join(ROOT, "configs/t2i/shapes_grpo.yaml"), spec["overrides"])
+    cfg = load_config(os.path.join(ROOT, spec["config"]), spec["overrides"])
     tr = Trainer(cfg)
     marks["startup"] = rss_kib("VmHWM")  # since the process started: imports, loading, sharding, EMA
 
@@ -94,23 +118,30 @@ def worker(spec: dict) -> None:
     tr.dist.close()
 
 
+POLICIES = {  # --policy: (config, its overrides, the base whose peaks are subtracted, the builder of the large model)
+    "flow": ("configs/t2i/shapes_grpo.yaml", ["sampler.num_steps=4", "sampler.sde_window_size=2",
+                                              "sampler.sde_window_range=[0,2]"], BASE, build_model),
+    "janus": ("configs/t2i/shapes_ar_grpo.yaml", ["algo.kl=k3"], AR_BASE, build_janus),
+}
+
+
 def launch(model: str, world: int, out_dir: str, tmp: str, quick: bool, glibc_default: bool = False,
-           dtype: str = "float32") -> dict[int, dict[str, float]]:
+           dtype: str = "float32", policy: str = "flow") -> dict[int, dict[str, float]]:
     """Train + save, then resume, on `world` processes; {rank: {phase: peak MiB}}."""
+    config, extra = POLICIES[policy][:2]
     overrides = [f"model.path={model}", f"log.out_dir={out_dir}", "log.tensorboard=false", "log.progress=false",
                  "log.eval_at_start=false", "train.iterations=100", "train.time_budget_min=0", "log.save_every=1",
                  f"train.parallel={'fsdp' if world > 1 else 'none'}", "model.reference=auto", "algo.kl_coef=0.04",
                  "train.ema_decay=0.9", "train.prompts_per_iter=2", f"train.group_size={2 if quick else 4}",
-                 "train.minibatches=1", "train.micro_batch=4", "sampler.num_steps=4", "sampler.sde_window_size=2",
-                 "sampler.sde_window_range=[0,2]", "task.eval_prompts=4", f"model.dtype={dtype}",
-                 f"train.mixed_precision={'bf16' if dtype == 'bfloat16' else 'no'}"]
+                 "train.minibatches=1", "train.micro_batch=4", "task.eval_prompts=4", f"model.dtype={dtype}",
+                 f"train.mixed_precision={'bf16' if dtype == 'bfloat16' else 'no'}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONPATH": os.getcwd(),
            **({} if glibc_default else {"MALLOC_MMAP_THRESHOLD_": "65536"})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] \
         if world > 1 else [sys.executable]
     peaks: dict[int, dict[str, float]] = {r: {} for r in range(world)}
     for resume in (False, True):
-        spec = {"overrides": overrides, "resume": resume, "out": os.path.join(tmp, f"marks-{world}-{int(resume)}")}
+        spec = {"config": config, "overrides": overrides, "resume": resume, "out": os.path.join(tmp, f"marks-{world}-{int(resume)}")}
         r = subprocess.run([*cmd, os.path.abspath(__file__), "--worker", json.dumps(spec)], env=env,
                            capture_output=True, text=True)
         if r.returncode:
@@ -128,18 +159,20 @@ def main() -> None:
                    help="model.dtype (the frozen reference's dtype; bfloat16 also sets train.mixed_precision=bf16)")
     p.add_argument("--world", type=int, default=2, help="processes of the FSDP2 run (default 2)")
     p.add_argument("--glibc-default", action="store_true", help="without MALLOC_MMAP_THRESHOLD_ (see above)")
+    p.add_argument("--policy", default="flow", choices=sorted(POLICIES),
+                   help="flow: the shapes SD3 (default); janus: the AR shapes world's Janus")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(json.loads(args.worker))
     with tempfile.TemporaryDirectory() as tmp:
-        big = os.path.join(tmp, "shapes-big")
-        params = build_model(big, 2 if args.quick else 8)
+        big, (_, _, base, build) = os.path.join(tmp, "shapes-big"), POLICIES[args.policy]
+        params = build(big, 2 if args.quick else (12 if args.policy == "janus" else 8))
         peaks = {}
-        for name, model in (("base", BASE), ("big", big)):
+        for name, model in (("base", base), ("big", big)):
             for world in (1, args.world):
                 peaks[f"{name}-{world}"] = launch(model, world, os.path.join(tmp, f"run-{name}-{world}"), tmp,
-                                                  args.quick, args.glibc_default, args.dtype)
+                                                  args.quick, args.glibc_default, args.dtype, args.policy)
     phases = [*PHASES, "startup_resume"]
     model = {w: {r: {ph: peaks[f"big-{w}"][r][ph] - peaks[f"base-{w}"][r][ph] for ph in phases}
                  for r in peaks[f"big-{w}"]} for w in (1, args.world)}
@@ -151,7 +184,7 @@ def main() -> None:
     for ph in phases:
         print(f"{ph:16s}{one[ph]:12.0f}" + "".join(f"{model[args.world][r][ph]:10.0f} (x{ratio[r][ph]:.2f})"
                                                    for r in ratio))
-    print(json.dumps({"params": params, "world": args.world, "dtype": args.dtype, "peaks_mib": peaks,
+    print(json.dumps({"params": params, "policy": args.policy, "world": args.world, "dtype": args.dtype, "peaks_mib": peaks,
                       "model_mib": model, "ratio": ratio, "worst_ratio": max(v for r in ratio.values() for v in r.values())}))
 
 

@@ -32,9 +32,10 @@ policy's targets or fully trained; the training forward is the policy's `_scores
 gradient). Frozen and replicated beside it (the "text encoders" slot): the SigLIP tower, its aligner and the text
 head; the VQ model is the VAE slot, its decode of a sampling chunk (A tokens -> pixels) the decode transient. The
 sampling chain is the KV cache of a chunk's generation (2 rows per sample, prompt + A tokens); a full fine-tuning
-reference is the policy's copy of the fp32 ImageTokenLM, not sharded. The policy loads the whole model onto each GPU
-and shards it afterwards: start-up holds the whole ImageTokenLM (fp32 where it trains), the reference and the frozen
-parts at once (peak_loading). Prompts are `prompt_tokens` long (default 48, a bound: GenEval's longest prompt is 12
+reference is the policy's copy of the ImageTokenLM at model.dtype, sharded under FSDP like the live one. Full
+fine-tuning under FSDP builds the ImageTokenLM on meta and reads each rank's shards (start-up never holds it whole);
+LoRA, and DDP, load the whole model onto each GPU first: start-up then holds the whole ImageTokenLM, the reference and
+the frozen parts at once (peak_loading). Prompts are `prompt_tokens` long (default 48, a bound: GenEval's longest prompt is 12
 words, some 30 tokens in Janus's chat template); rollouts keep image tokens and log-probs (the decoded images go to
 host memory). FLOPs: a CFG row's generation is counted as one forward of its sequence (the KV cache makes the A
 steps one pass), plus one more per row for the old log-probs when the trainer cannot defer them.
@@ -43,8 +44,8 @@ Several GPUs (`world` data-parallel processes x `cp` context-parallel ranks each
 whole groups; minibatches are chunks of one global permutation, so a rank's rows in one minibatch vary: without
 `train.micro_batch` the plan sizes the training forward for the share exceeded once in 10^6 minibatches
 (hypergeometric). `train.parallel=fsdp` shards weights, gradients, AdamW state and EMA over world x cp GPUs (and
-all-gathers two blocks' weights at a time); ddp replicates them; a flow policy's frozen KL reference copy is sharded
-like them (not under model.offload, nor a token policy's). Context parallelism (mmrl/context_parallel.py) splits one forward's video tokens cp ways: the
+all-gathers two blocks' weights at a time); ddp replicates them; a flow or Janus policy's frozen KL reference copy is
+sharded like them (not under model.offload, nor a token policy's). Context parallelism (mmrl/context_parallel.py) splits one forward's video tokens cp ways: the
 transformer activations per GPU divide by cp, while rollouts, text encoders, VAE and its decode stay per rank. No
 wall-clock time is estimated: FLOPs and rows per GPU are given instead.
 """
@@ -165,7 +166,6 @@ class Parts:
     chain: int = 0             # every step's latent and mean while sampling
     cache: int = 0             # the prompt-embedding cache
     names: dict = field(default_factory=lambda: dict(NAMES))  # what the frozen slots hold (format_plan's labels)
-    reference_itemsize: int = 0  # bytes per parameter of a full fine-tuning KL copy (0: model.dtype's)
     checkpoint: Callable[[], None] | None = None  # gradient checkpointing on as the policy does (None: the model's)
     loaded_whole: int = 0      # the trained model's bytes on a GPU before sharding (0: loaded into shards)
 
@@ -294,23 +294,26 @@ def _janus_parts(cfg, arch: dict | None, rows: Rows, prompt_tokens: int, needs_r
                     0 if full else trained)
     passes = -(-rows.share // m) * t.grad_accum  # training forwards per optimizer step on a rank
     whole = sum(q.numel() * (4 if q.requires_grad else q.element_size()) for q in lm.parameters())  # upcast, unsharded
+    if t.parallel == "fsdp" and not cfg.model.lora.enabled:
+        whole = 0  # build_janus_policy builds the trained path on meta and reads it into shards
     workload = functools.partial(janus_workload, cfg, janus, lm, frozen, vq, scorer, chunk=rows.chunk, m=m, prompt=p,
                                  kept=stored, passes=passes, needs_reference=needs_reference)
     return Parts(lm, run, shapes, stored, workload, frozen, vq, decode, kv, names=dict(JANUS_NAMES),
-                 reference_itemsize=4, checkpoint=functools.partial(JanusPolicy.enable_gradient_checkpointing, scorer),
+                 checkpoint=functools.partial(JanusPolicy.enable_gradient_checkpointing, scorer),
                  loaded_whole=whole)
 
 
-def _state(cfg, model: torch.nn.Module, shard: int, reference_itemsize: int = 0) -> dict[str, float]:
+def _state(cfg, model: torch.nn.Module, shard: int) -> dict[str, float]:
     """Bytes per GPU of the weights, gradients, AdamW state, EMA and KL reference copy (`shard` GPUs share them; the
-    copy at model.dtype, or `reference_itemsize` bytes per parameter)."""
+    copy at model.dtype)."""
     experts = getattr(model, "experts", 1)
     n_params = experts * sum(p.numel() for p in model.parameters())
     trainable = experts * sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = experts * sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    ref = n_params * (reference_itemsize or torch_dtype(cfg.model.dtype).itemsize) \
+    ref = n_params * torch_dtype(cfg.model.dtype).itemsize \
         if (reference_kind(cfg) == "auto" and not cfg.model.lora.enabled) else 0
-    if policy_kind(cfg.model.policy) == "flow" and not cfg.model.offload:  # FlowPolicy.parallelize shards it
+    if (policy_kind(cfg.model.policy) == "flow" and not cfg.model.offload) or _kind(cfg) == "janus":  # parallelize
+        # shards it (FlowPolicy, JanusPolicy)
         ref /= shard
     return {"weights_frozen": frozen / shard, "weights_trained_fp32": 4 * trainable / shard,
             "gradients_fp32": 4 * trainable / shard, "adamw_state_fp32": 8 * trainable / shard,
@@ -330,7 +333,7 @@ def _by_hand(cfg, parts: Parts, rows: Rows, world: int, cp: int) -> dict:
     t, model, shapes = cfg.train, parts.model, parts.shapes
     meas = measure_forward(model, parts.run)
     shard = world * cp if t.parallel == "fsdp" else 1
-    state, gathered = _state(cfg, model, shard, parts.reference_itemsize), _gathered(model, shard, t.mixed_precision)
+    state, gathered = _state(cfg, model, shard), _gathered(model, shard, t.mixed_precision)
     experts = getattr(model, "experts", 1)
     # the backward of a block allocates gradients of about its saved size while those are still held: the peak
     # is the saved tensors plus the largest block's (with checkpointing: the blocks' inputs, the largest block

@@ -11,7 +11,8 @@ before keeping its shard):
   startup   the trained weights (fp32, sharded under FSDP), the frozen KL reference copy (full fine-tuning; at
             model.dtype, sharded like the live copy), text encoders and VAE (replicated at model.dtype), EMA (fp32,
             sharded), plus the largest tensor received whole while loading (a policy that loads its model onto the
-            device before sharding it, Janus: the whole trained module at once, `Workload.loaded_whole`);
+            device before sharding it, token policies and Janus with LoRA: the whole trained module at once,
+            `Workload.loaded_whole`);
   sampling  + what a rank keeps from sampling to training (rollout storage, prompt-embedding cache) and the chain of
             latents of its rows, + one no-grad transformer forward of a sampling chunk (CFG doubles its rows);
   decode    + the VAE decode of one sampling chunk (the chain freed);
@@ -348,9 +349,10 @@ def janus_workload(cfg, janus, lm, frozen, vq, scorer, *, chunk: int, m: int, pr
     from mmrl.policy.token import selective_log_softmax
 
     s = cfg.sampler
-    upcast_trainable(lm)  # as JanusPolicy: fp32 master weights, then a full fine-tuning reference copies them (fp32)
+    # as JanusPolicy: a full fine-tuning reference copied at model.dtype, then fp32 master weights
     reference = [copy.deepcopy(lm).requires_grad_(False).eval()] if needs_reference and not cfg.model.lora.enabled \
         else []
+    upcast_trainable(lm)
     scorer.device = torch.device("cpu")
     a, rows = janus.config.vision_config.num_image_tokens, chunk * (2 if s.cfg_scale != 1 else 1)
 
@@ -373,7 +375,8 @@ def janus_workload(cfg, janus, lm, frozen, vq, scorer, *, chunk: int, m: int, pr
     def decode():
         vq.decode(torch.zeros(chunk, a, dtype=torch.long))
 
+    # build_janus_policy loads a full fine-tuning under FSDP into shards (its reference too); LoRA loads whole
+    sharded_load = cfg.train.parallel == "fsdp" and not cfg.model.lora.enabled
     return Workload([lm], reference, [*frozen, vq], sample, loss, decode, kept, 0, passes, needs_reference,
-                    cfg.train.ema_decay, shard_reference=False,  # JanusPolicy wraps its live ImageTokenLM only
-                    loaded_whole=sum(p.numel() * p.element_size() for p in lm.parameters()))  # build_janus_policy
-                                                                    # loads the whole model onto each GPU
+                    cfg.train.ema_decay, shard_reference=True,
+                    loaded_whole=0 if sharded_load else sum(p.numel() * p.element_size() for p in lm.parameters()))

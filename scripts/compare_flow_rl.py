@@ -62,6 +62,7 @@ class World:
 WORLDS = {
     "shapes": World(
         methods={"grpo": ("configs/t2i/shapes_grpo.yaml", []), "nft": ("configs/t2i/shapes_nft.yaml", []),
+                 "nft_no_kl": ("configs/t2i/shapes_nft.yaml", ["algo.kl_coef=0"]),  # before issue 46's fix
                  "awm": ("configs/t2i/shapes_awm.yaml", []), "flash": ("configs/t2i/shapes_mixgrpo_flash.yaml", []),
                  "dgpo": ("configs/t2i/shapes_dgpo.yaml", []),
                  "flow_dppo": ("configs/t2i/shapes_flow_dppo.yaml", []),

@@ -369,7 +369,8 @@ def main(argv=None) -> dict:
     log.append({"phase": "vq", "minutes": round(clock.minutes(), 2), "reconstruction": rec})
     print("VQ reconstructions of rendered train images:", rec, flush=True)
     sampler = SamplerConfig(temperature=1.0, cfg_scale=1.0, eval_cfg_scale=1.0)
-    policy = JanusPolicy(model, processor, sampler, LoraConfig(enabled=False), reference="none", model_path=args.out)
+    policy = JanusPolicy(model=model, processor=processor, sampler_cfg=sampler, lora_cfg=LoraConfig(enabled=False),
+                         reference="none", model_path=args.out)
     policy.micro_batch = 64  # rows per sampling forward in the evaluations
     log += train_lm(policy, vq, data, args, clock, rng)
     minutes = clock.minutes()

@@ -57,7 +57,8 @@ def policy_for(path, lora=False, cfg_scale=3.0, temperature=1.0, cfg_grad="full"
 
     model, processor = load_janus(path)
     sampler = SamplerConfig(cfg_scale=cfg_scale, eval_cfg_scale=cfg_scale, temperature=temperature, cfg_grad=cfg_grad)
-    return JanusPolicy(model, processor, sampler, LoraConfig(enabled=lora, rank=rank, alpha=alpha), model_path=path,
+    return JanusPolicy(model=model, processor=processor, sampler_cfg=sampler,
+                       lora_cfg=LoraConfig(enabled=lora, rank=rank, alpha=alpha), model_path=path,
                        micro_batch=micro_batch, **kw)
 
 
@@ -346,6 +347,13 @@ def test_two_processes_end_where_one_ends(tiny_janus, one_process, tmp_path, mod
     assert max((one[f"p{i}"] - p.detach()).abs().max().item() for i, p in enumerate(start)) > 1e-4  # it learns
     r = run_worker(tiny_janus, str(tmp_path / f"{mode}.safetensors"), mode, 2)
     assert "world 2" in r.stdout
+    if mode == "fsdp":  # start-up: the trained path and its reference were read into shards, never whole
+        for rank in (0, 1):
+            rep = json.load(open(tmp_path / f"{mode}.safetensors.rank{rank}.json"))
+            assert rep["meta_before_shard"] and rep["ref_meta_before_shard"], rep
+            assert rep["live_sharded"] and rep["ref_sharded"], rep
+            assert 0.4 < rep["local_fraction"] < 0.6 and 0.4 < rep["ref_local_fraction"] < 0.6, rep
+            assert rep["live_equals_disk"] and rep["ref_equals_disk"], rep
     got = load_file(tmp_path / f"{mode}.safetensors")
     d = max((one[k] - got[k]).abs().max().item() for k in one)
     print(f"janus, {mode}: max abs difference from one process {d:.2e}")
@@ -361,7 +369,19 @@ def worker(model: str, out: str, parallel: str) -> None:
     from mmrl.distributed import full
     from mmrl.trainer import Trainer
 
+    from safetensors.torch import load_file as load_weights
+
+    from mmrl.policy.janus import JanusPolicy
+
     torch.set_num_threads(1)
+    seen, parallelize = {}, JanusPolicy.parallelize
+
+    def spy(self, wrap, parallel):  # what the policy holds between building and sharding
+        seen["meta_before_shard"] = all(t.is_meta for t in self.lm.parameters())
+        seen["ref_meta_before_shard"] = self._ref is not None and all(t.is_meta for t in self._ref.parameters())
+        return parallelize(self, wrap, parallel)
+
+    JanusPolicy.parallelize = spy
     cfg = load_config(RECIPE, [
         f"model.path={model}", "model.dtype=float32", "model.device=cpu", "model.lora.enabled=false",
         f"log.out_dir={os.path.dirname(out)}/run-{parallel}", f"train.parallel={parallel}",
@@ -370,6 +390,18 @@ def worker(model: str, out: str, parallel: str) -> None:
         "train.mixed_precision=no", "train.lr=1e-3", "train.iterations=2", "log.tensorboard=false",
         "log.eval_at_start=false", "log.progress=false"])
     tr = Trainer(cfg)
+    if parallel == "fsdp":
+        disk = load_weights(os.path.join(model, "model.safetensors"))
+        live, ref = dict(tr.policy.lm.named_parameters()), dict(tr.policy._ref.named_parameters())
+        local = lambda ts: sum((t.to_local() if hasattr(t, "to_local") else t).numel() for t in ts) / sum(  # noqa
+            t.numel() for t in ts)
+        equal = lambda ps: all(torch.equal(full(t).detach(), disk["model." + n].to(t.dtype)) for n, t in ps.items())  # noqa
+        report = {**seen, "live_sharded": all(hasattr(t, "to_local") for t in live.values()),
+                  "ref_sharded": all(hasattr(t, "to_local") for t in ref.values()),
+                  "local_fraction": local(live.values()), "ref_local_fraction": local(ref.values()),
+                  "live_equals_disk": equal(live), "ref_equals_disk": equal(ref)}
+        with open(f"{out}.rank{tr.dist.rank}.json", "w") as f:
+            json.dump(report, f)
     for it in range(2):
         tr.iteration = it
         m = tr.step(it)

@@ -338,8 +338,9 @@ def test_janus_rows_follow_cfg_grad_and_old_log_probs(tiny_janus_folder):
 def test_janus_pro_architectures_at_real_size(arch, params, hidden, inter, layers):
     """The published Janus-Pro sizes on 8 GPUs under FSDP (by hand): the whole model, the recipe's LoRA (r = 32 on
     q, k, v, o, gate, up, down of every layer: r x (in + out) each), the KV cache of a sampling chunk (4 samples x 2
-    CFG rows x (48 + 576) tokens, head dim 128, bf16), and full fine-tuning's fp32 KL copy, which the policy keeps
-    whole on every rank. The policy loads the whole model onto each GPU before it shards: that is the peak at 8 GPUs."""
+    CFG rows x (48 + 576) tokens, head dim 128, bf16), and full fine-tuning's KL copy at bf16, sharded like the live
+    weights. With LoRA the policy loads the whole model onto each GPU before it shards: that is the peak at 8 GPUs;
+    full fine-tuning loads into shards (no loading peak)."""
     lora = plan(load_config(JANUS, ["train.parallel=fsdp"]), arch, world=8)
     adapters = 32 * (4 * 2 * hidden + 2 * (hidden + inter) + (inter + hidden))
     assert lora["trainable_params"] == layers * adapters
@@ -352,16 +353,30 @@ def test_janus_pro_architectures_at_real_size(arch, params, hidden, inter, layer
     assert lora["total_gib"] == lora["peak_loading_gib"] > max(lora["peak_sampling_gib"], lora["peak_training_gib"])
     full = plan(load_config(JANUS, ["train.parallel=fsdp", "model.lora.enabled=false"]), arch, world=8)
     assert full["trainable_params"] == full["params"]
-    assert full["kl_reference_copy_gib"] == pytest.approx(4 * full["params"] / 2**30)
+    assert full["kl_reference_copy_gib"] == pytest.approx(2 * full["params"] / 8 / 2**30)
+    assert full["peak_loading_gib"] == 0
     assert full["adamw_state_fp32_gib"] == pytest.approx(8 * full["params"] / 8 / 2**30)
     with pytest.raises(ValueError, match="--arch janus-pro-7b is a janus model"):
         plan(load_config("configs/grounding/charades_qwen25vl_lora.yaml"), "janus-pro-7b")
 
 
+def test_janus_full_fine_tuning_under_fsdp_is_planned_sharded(tiny_janus_folder):
+    """Full fine-tuning with KL under FSDP on 2 GPUs: build_janus_policy reads the ImageTokenLM into shards (no
+    loading peak) and parallelize shards the reference copy, at model.dtype; under DDP both stay whole."""
+    items = [f"model.path={tiny_janus_folder}", "model.lora.enabled=false", "model.dtype=bfloat16", "model.device=cpu",
+             "algo.kl_coef=0.04", "train.prompts_per_iter=4", "train.group_size=2", "train.micro_batch=2"]
+    fsdp = plan(load_config(JANUS, [*items, "train.parallel=fsdp"]), world=2, measured=True, device="cpu")
+    ddp = plan(load_config(JANUS, [*items, "train.parallel=ddp"]), world=2, measured=True, device="cpu")
+    assert "measure_error" not in fsdp and fsdp["peak_loading_gib"] == 0 < ddp["peak_loading_gib"]
+    assert fsdp["kl_reference_copy_gib"] * 2**30 == fsdp["params"] * 2 / 2  # bf16, half on each of 2 GPUs
+    assert ddp["kl_reference_copy_gib"] * 2**30 == ddp["params"] * 2
+    assert fsdp["startup_gib"] < ddp["startup_gib"]
+
+
 @pytest.mark.slow  # ~1 min: the 7 B model's iteration on fake tensors
 def test_janus_pro_7b_measured_at_world_8():
     """`mmrl plan configs/t2i/janus_pro_geneval_lora.yaml --arch janus-pro-7b --world 8 train.parallel=fsdp`: at
-    start-up a rank holds the whole model (build_janus_policy loads it onto the GPU, then FSDP shards the ImageTokenLM),
+    start-up a LoRA rank holds the whole model (build_janus_policy loads it onto the GPU, then FSDP shards the ImageTokenLM),
     the by-hand loading peak; sampling adds the KV cache and a forward, decoding the VQ decode of a 4-sample chunk."""
     p = plan(load_config(JANUS, ["train.parallel=fsdp"]), "janus-pro-7b", world=8, measured=True)
     assert "measure_error" not in p

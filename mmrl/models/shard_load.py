@@ -76,21 +76,23 @@ def _local_slice(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
 
 
 @torch.no_grad()
-def load_into_shards(module: torch.nn.Module, folder: str, device: torch.device) -> None:
+def load_into_shards(module: torch.nn.Module, folder: str, device: torch.device, prefix: str = "") -> None:
     """Fill `module` (built by `meta_component`, then sharded by `fully_shard`, or whole) from the safetensors
     files of `folder`: each rank allocates and reads only its own shard of every parameter (rows of dim 0 under
     FSDP2), cast to the parameter's dtype (fp32 master weights are upcast shard by shard). Every parameter and
-    persistent buffer must be in the files with its shape; else ValueError naming the folder and the keys."""
+    persistent buffer must be in the files with its shape; else ValueError naming the folder and the keys.
+    prefix: `module` is a part of the model the files hold (a transformers model's `model.`): parameter `n` is read
+    from key `prefix + n`, and the files' other keys are not this call's (no "unexpected" check)."""
     from safetensors import safe_open
 
     materialize(module, device)
     where: dict[str, str] = {}
     for f in weight_files(folder):
         with safe_open(os.path.join(folder, f), "pt") as h:
-            where.update({k: f for k in h.keys()})
+            where.update({k[len(prefix):]: f for k in h.keys() if k.startswith(prefix)})
     targets = [*module.named_parameters(), *_persistent_buffers(module)]
-    missing = [n for n, _ in targets if n not in where]
-    extra = sorted(set(where) - {n for n, _ in targets})
+    missing = [prefix + n for n, _ in targets if n not in where]
+    extra = [] if prefix else sorted(set(where) - {n for n, _ in targets})
     if missing or extra:
         raise ConfigError(f"{folder}: the weight files do not match {type(module).__name__}'s config.json: missing "
                           f"{missing[:5]}, unexpected {extra[:5]} ({len(missing)} / {len(extra)} in all)")
@@ -102,12 +104,12 @@ def load_into_shards(module: torch.nn.Module, folder: str, device: torch.device)
         for n, t in items:
             if h is None or read > READ_BATCH:  # reopen: the pages read so far leave the resident set
                 h, read = safe_open(os.path.join(folder, f), "pt", device="cpu"), 0
-            part = h.get_slice(n)
+            part = h.get_slice(prefix + n)
             if tuple(part.get_shape()) != tuple(t.shape):
-                raise ConfigError(f"{folder}: {n} has shape {tuple(part.get_shape())} in {f}, the model expects "
-                                  f"{tuple(t.shape)}: is config.json the one these weights were saved with?")
+                raise ConfigError(f"{folder}: {prefix + n} has shape {tuple(part.get_shape())} in {f}, the model "
+                                  f"expects {tuple(t.shape)}: is config.json the one these weights were saved with?")
             local, rows = _local_slice(t)
-            value = part[rows] if t.dim() else h.get_tensor(n)
+            value = part[rows] if t.dim() else h.get_tensor(prefix + n)
             local.copy_(value.reshape(local.shape))
             read += value.numel() * value.element_size()
         del h

@@ -49,6 +49,7 @@ import torch
 from mmrl.cache import BoundedCache
 from mmrl.data import PolicyOutput, Rollout, group_ids
 from mmrl.errors import ConfigError, MissingFile
+from mmrl.models.shard_load import copy_shards, load_into_shards, shardable_weights
 from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, resolve_model_path,
                               save_lora_adapter, upcast_trainable, write_policy_meta)
 from mmrl.policy.token import DEFAULT_LORA_TARGETS, selective_log_softmax
@@ -92,8 +93,10 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
 class JanusPolicy(PolicyDefaults):
     samples_rows = True  # row r samples from seed + r: any subset of a batch's rows, the same on any rank
 
-    def __init__(self, model, processor, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = "",
-                 micro_batch: int = 0):
+    def __init__(self, *, model, processor, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = "",
+                 micro_batch: int = 0, device: torch.device | None = None):
+        """device: given when `model`'s image-token path was built on the meta device (`load_janus(shard=True)`):
+        `parallelize` then reads this rank's FSDP2 shards of it from model_path, and the reference copies them."""
         self.janus, self.processor, self.model_path, self.micro_batch = model, processor, model_path, micro_batch
         self.temperature, self.cfg_grad = sampler_cfg.temperature, sampler_cfg.cfg_grad
         self.cfg_scale, self.eval_cfg_scale = sampler_cfg.cfg_scale, sampler_cfg.eval_cfg_scale
@@ -113,16 +116,19 @@ class JanusPolicy(PolicyDefaults):
         else:
             self.model = model
         self.lm = ImageTokenLM(model)
-        if not self.lora:
-            self.lm.requires_grad_(True)
-        upcast_trainable(self.lm)
         self.has_reference = reference == "auto"
+        # full fine-tuning's frozen KL reference: a copy in the checkpoint's dtype, made before the trained path is
+        # upcast to fp32 master weights (on the meta device when the run loads into shards: parallelize fills it)
         self._ref = None
         if self.has_reference and not self.lora:
             import copy
 
             self._ref = copy.deepcopy(self.lm).requires_grad_(False).eval()
-        self.device = next(self.lm.parameters()).device
+        if not self.lora:
+            self.lm.requires_grad_(True)
+        upcast_trainable(self.lm)
+        self._pending = device is not None
+        self.device = device if self._pending else next(self.lm.parameters()).device
         self.model.train()
         model.model.vqmodel.eval()
 
@@ -285,10 +291,21 @@ class JanusPolicy(PolicyDefaults):
         return [self.lm]
 
     def parallelize(self, wrap, parallel: str) -> None:
-        """DDP wraps the image-token path (gradients all-reduced in backward); FSDP2 shards it in place. Sampling,
-        scoring and the reference all go through it, so every rank runs the same forwards (A steps per chunk, and
-        Distributed.sample gives every rank as many rows under FSDP)."""
+        """DDP wraps the image-token path (gradients all-reduced in backward); FSDP2 shards it in place, and the frozen
+        KL reference of full fine-tuning too (else a whole replica on every GPU). Sampling, scoring and the reference
+        all go through them, so every rank runs the same forwards (A steps per chunk, and Distributed.sample gives
+        every rank as many rows under FSDP). Built on the meta device: each rank then reads only its shards."""
         self.lm = wrap(self.lm)
+        if parallel == "fsdp" and self._ref is not None:
+            self._ref = wrap(self._ref)
+        if self._pending:
+            if parallel != "fsdp":
+                raise RuntimeError(f"Janus's image-token path built on the meta device is loaded into FSDP shards; "
+                                   f"train.parallel={parallel} has none")
+            load_into_shards(self.lm, self.model_path, self.device, prefix="model.")
+            if self._ref is not None:
+                copy_shards(self.lm, self._ref, self.device)
+            self._pending = False
 
     def enable_gradient_checkpointing(self) -> None:
         """The language model's layers recompute their activations in backward (sampling runs in eval mode, where
@@ -351,8 +368,11 @@ def check_janus_config(cfg) -> None:
                           f"set algo.kl=k3 (T2I-R1), k1 or k2")
 
 
-def load_janus(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """(JanusForConditionalGeneration, JanusProcessor) of a transformers Janus folder."""
+def load_janus(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu", shard: bool = False):
+    """(JanusForConditionalGeneration, JanusProcessor) of a transformers Janus folder. shard: the image-token path
+    (`ImageTokenLM`: language model, generation embeddings, aligner and head) is built on the meta device in `dtype`
+    for JanusPolicy.parallelize to read into FSDP2 shards; the frozen parts (vision encoder, aligner, VQ model) load
+    whole. The text head (tied to the text embeddings; image generation never calls it) stays on the meta device."""
     from transformers import AutoProcessor, JanusForConditionalGeneration
 
     config = os.path.join(path, "config.json")
@@ -365,7 +385,8 @@ def load_janus(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu
                           f"transformers' JanusForConditionalGeneration: use the converted "
                           f"deepseek-community/Janus-Pro-1B or -7B (deepseek-ai/Janus-Pro-* need the Janus "
                           f"repository's own code)")
-    model = JanusForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device)
+    model = _meta_janus(path, dtype, device) if shard else \
+        JanusForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device)
     vq, vision = model.config.vq_config, model.config.vision_config
     if vision.num_image_tokens != vq.num_patches ** 2:
         raise ConfigError(f"{config}: vision_config.num_image_tokens={vision.num_image_tokens} but the VQ decoder "
@@ -373,9 +394,35 @@ def load_janus(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu
     return model, AutoProcessor.from_pretrained(path)
 
 
-def build_janus_policy(cfg) -> JanusPolicy:
+def _meta_janus(path: str, dtype: torch.dtype, device: str):
+    """JanusForConditionalGeneration with every parameter on the meta device (in `dtype`; buffers real), then its
+    frozen parts read whole onto `device` from the safetensors files."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, JanusForConditionalGeneration
+
+    with init_empty_weights(include_buffers=False):
+        model = JanusForConditionalGeneration(AutoConfig.from_pretrained(path))
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_floating_point():
+            t.data = t.data.to(dtype)
+    m = model.model
+    for name in ("vision_model", "aligner", "vqmodel"):
+        load_into_shards(getattr(m, name), path, torch.device(device), prefix=f"model.{name}.")
+    return model.eval()
+
+
+def shard_on_load(cfg, dist, path: str) -> bool:
+    """Whether to build the image-token path on the meta device and read it into FSDP2 shards (every rank holds
+    1/world of it from the first byte): full fine-tuning under FSDP on several processes, from safetensors. LoRA
+    loads whole (in model.dtype; the frozen base is sharded after loading), as in one process."""
+    if dist is None or dist.world <= 1 or dist.parallel != "fsdp" or cfg.model.lora.enabled:
+        return False
+    return shardable_weights(path)
+
+
+def build_janus_policy(cfg, dist=None) -> JanusPolicy:
     from mmrl.config import sample_chunk
-    from mmrl.devices import resolve_device, torch_dtype
+    from mmrl.devices import indexed, resolve_device, torch_dtype
 
     check_janus_config(cfg)
     dtype, device = torch_dtype(cfg.model.dtype), resolve_device(cfg.model.device)
@@ -384,9 +431,11 @@ def build_janus_policy(cfg) -> JanusPolicy:
     if os.path.isfile(meta_file) and json.load(open(meta_file)).get("lora"):
         raise ConfigError(f"{path!r} is a LoRA policy checkpoint; set model.path to its base model "
                           f"({json.load(open(meta_file)).get('base_model')}) and use mmrl eval for the checkpoint")
-    model, processor = load_janus(path, dtype, device)
-    return JanusPolicy(model, processor, cfg.sampler, cfg.model.lora, reference_kind(cfg), path,
-                       sample_chunk(cfg.train))
+    shard = shard_on_load(cfg, dist, path)
+    model, processor = load_janus(path, dtype, indexed(device) if shard else device, shard=shard)
+    return JanusPolicy(model=model, processor=processor, sampler_cfg=cfg.sampler, lora_cfg=cfg.model.lora,
+                       reference=reference_kind(cfg), model_path=path, micro_batch=sample_chunk(cfg.train),
+                       device=indexed(device) if shard else None)
 
 
 build_janus_policy.check_config = check_janus_config  # mmrl validate runs it before any weight loads
