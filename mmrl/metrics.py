@@ -306,18 +306,29 @@ def _count_lines(path: str) -> int:
 
 
 def _truncate_lines(path: str, n: int | None, step: int) -> list[dict]:
-    """Cut the JSONL file at `path` back to its first n lines (a partial last line of a killed run goes too);
+    """Cut the JSONL file at `path` back to its first n lines (a partial last line of a killed run goes too), but
+    keep an evaluation at the checkpoint's own `step` logged after it: it scored the checkpoint's weights (a finished
+    run evaluates after its last save; extended with --resume and more train.iterations, it would lose that point).
     n None (a checkpoint from before the count was saved): the lines logged before `step`. Returns them parsed."""
     if not os.path.isfile(path):
         return []
     with open(path, "rb") as f:
         lines = [ln for ln in f.readlines() if ln.endswith(b"\n")]
-    lines = lines[:n] if n is not None else [ln for ln in lines if json.loads(ln).get("step", 0) < step]
+    if n is None:
+        lines = [ln for ln in lines if json.loads(ln).get("step", 0) < step]
+    else:
+        lines = lines[:n] + [ln for ln in lines[n:] if _evaluation_at(json.loads(ln), step)]
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.writelines(lines)
     os.replace(tmp, path)
     return [json.loads(ln) for ln in lines]
+
+
+def _evaluation_at(row: dict, step: int) -> bool:
+    """A metrics line with only evaluation scalars (eval/..., eval_by_category/...) at `step`."""
+    keys = [k for k in row if k not in ("step", "time")]
+    return row.get("step") == step and bool(keys) and all(k.startswith("eval") for k in keys)
 
 
 def perf(t, seconds: float) -> dict:

@@ -113,6 +113,17 @@ def test_a_killed_run_resumes_without_duplicated_steps(tiny_pixel_model, tmp_pat
     assert not [d for d in os.listdir(out / "checkpoints") if d.startswith(".")]
 
 
+def test_a_finished_run_extended_keeps_its_last_evaluation(tiny_pixel_model, tmp_path):
+    """A run that ended at iteration 2 (saved, then evaluated), resumed with train.iterations=4: its evaluation at 2
+    was of the checkpoint's weights and stays in metrics.jsonl and TensorBoard; nothing is logged twice."""
+    out = tmp_path / "run"
+    train(cfg(tiny_pixel_model, out, "train.iterations=2", "log.save_every=2", "log.eval_every=2"))
+    train(cfg(tiny_pixel_model, out, "train.iterations=4", "log.save_every=2", "log.eval_every=2"), resume=True)
+    assert steps(out) == [1, 2, 3, 4]
+    evals = [json.loads(ln)["step"] for ln in open(out / "metrics.jsonl") if '"eval/overall"' in ln]
+    assert evals == [0, 2, 4] and sorted(tb_steps(out, "eval/overall")) == [0, 2, 4]
+
+
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tiny_pixel_model, tmp_path, caplog):
     out = tmp_path / "run"
     train(cfg(tiny_pixel_model, out, "train.iterations=3", "log.save_every=1", "log.keep_checkpoints=2"))
