@@ -297,7 +297,7 @@ def _janus_parts(cfg, arch: dict | None, rows: Rows, prompt_tokens: int, needs_r
     if t.parallel == "fsdp" and not cfg.model.lora.enabled:
         whole = 0  # build_janus_policy builds the trained path on meta and reads it into shards
     workload = functools.partial(janus_workload, cfg, janus, lm, frozen, vq, scorer, chunk=rows.chunk, m=m, prompt=p,
-                                 kept=stored, passes=passes, needs_reference=needs_reference)
+                                 kept=stored, passes=passes, needs_reference=needs_reference, loaded_whole=whole)
     return Parts(lm, run, shapes, stored, workload, frozen, vq, decode, kv, names=dict(JANUS_NAMES),
                  checkpoint=functools.partial(JanusPolicy.enable_gradient_checkpointing, scorer),
                  loaded_whole=whole)

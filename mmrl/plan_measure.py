@@ -335,11 +335,12 @@ def token_workload(cfg, model, *, chunk: int, m: int, seq: int, kept: int, needs
 
 
 def janus_workload(cfg, janus, lm, frozen, vq, scorer, *, chunk: int, m: int, prompt: int, kept: int, passes: int,
-                   needs_reference: bool) -> Workload:
+                   needs_reference: bool, loaded_whole: int) -> Workload:
     """One rank's Janus-Pro iteration (mmrl/policy/janus.py) on its ImageTokenLM `lm` (prepared on meta), the frozen
     understanding path and VQ model `vq`, and `scorer` (plan_models.janus_scorer: the policy's training forward):
     generation's last step for `chunk` samples (both CFG rows' KV cache at full length, that step's logits), the VQ
-    decode of the chunk's A tokens, training forwards of `m` samples of `prompt` + A tokens."""
+    decode of the chunk's A tokens, training forwards of `m` samples of `prompt` + A tokens. loaded_whole: the plan's
+    bytes of the ImageTokenLM a rank holds whole before sharding (0: build_janus_policy reads it into shards)."""
     import copy
 
     from transformers import DynamicCache
@@ -375,8 +376,5 @@ def janus_workload(cfg, janus, lm, frozen, vq, scorer, *, chunk: int, m: int, pr
     def decode():
         vq.decode(torch.zeros(chunk, a, dtype=torch.long))
 
-    # build_janus_policy loads a full fine-tuning under FSDP into shards (its reference too); LoRA loads whole
-    sharded_load = cfg.train.parallel == "fsdp" and not cfg.model.lora.enabled
     return Workload([lm], reference, [*frozen, vq], sample, loss, decode, kept, 0, passes, needs_reference,
-                    cfg.train.ema_decay, shard_reference=True,
-                    loaded_whole=0 if sharded_load else sum(p.numel() * p.element_size() for p in lm.parameters()))
+                    cfg.train.ema_decay, shard_reference=True, loaded_whole=loaded_whole)

@@ -42,11 +42,24 @@ def meta_component(folder: str, name: str, dtype: torch.dtype) -> torch.nn.Modul
     cls = getattr(diffusers, config["_class_name"])
     with init_empty_weights(include_buffers=False):
         model = cls.from_config(config)
-    keep = getattr(cls, "_keep_in_fp32_modules", None) or ()
+    return to_load_dtype(model, dtype).eval()
+
+
+def to_load_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` (built on the meta device) with the dtypes `from_pretrained(dtype=dtype)` gives: floating tensors in
+    `dtype`, but those of the modules its class keeps in fp32 (`_keep_in_fp32_modules`, diffusers and transformers)."""
+    keep = getattr(type(model), "_keep_in_fp32_modules", None) or ()
     for tname, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.is_floating_point() and not any(k in tname.split(".") for k in keep):
             t.data = t.data.to(dtype)
-    return model.eval()
+    return model
+
+
+def sharded_start(cfg, dist) -> bool:
+    """Whether a run builds its trained model on the meta device and reads it into FSDP2 shards: full fine-tuning
+    under FSDP on several processes. LoRA loads whole (its frozen base in model.dtype, sharded after loading), as in
+    one process; each policy adds what else it needs (safetensors weights, no model.offload)."""
+    return dist is not None and dist.world > 1 and dist.parallel == "fsdp" and not cfg.model.lora.enabled
 
 
 def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

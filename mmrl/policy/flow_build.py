@@ -13,7 +13,7 @@ from mmrl.devices import indexed, resolve_device, torch_dtype
 from mmrl.errors import ConfigError
 from mmrl.models.flow_model import EXPERTS
 from mmrl.models.pipelines import load_flow_model
-from mmrl.models.shard_load import shardable_weights
+from mmrl.models.shard_load import shardable_weights, sharded_start
 from mmrl.policy.base import reference_kind, resolve_model_path
 from mmrl.policy.flow import FlowPolicy
 
@@ -42,7 +42,7 @@ def shard_on_load(cfg, dist, path: str) -> tuple[str, ...]:
     every rank holds 1/world of them from the first byte): full fine-tuning under FSDP on several processes, from
     safetensors folders. LoRA (the frozen base is sharded after loading, in its own dtype), model.offload (the
     reference stays whole on the CPU) and folders without safetensors load whole, as in one process."""
-    if dist is None or dist.world <= 1 or dist.parallel != "fsdp" or cfg.model.lora.enabled or cfg.model.offload:
+    if not sharded_start(cfg, dist) or cfg.model.offload:
         return ()
     if not os.path.isfile(os.path.join(path, "model_index.json")):
         return ()  # load_flow_model says what the folder lacks

@@ -49,7 +49,7 @@ import torch
 from mmrl.cache import BoundedCache
 from mmrl.data import PolicyOutput, Rollout, group_ids
 from mmrl.errors import ConfigError, MissingFile
-from mmrl.models.shard_load import copy_shards, load_into_shards, shardable_weights
+from mmrl.models.shard_load import copy_shards, load_into_shards, shardable_weights, sharded_start, to_load_dtype
 from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, resolve_model_path,
                               save_lora_adapter, upcast_trainable, write_policy_meta)
 from mmrl.policy.token import DEFAULT_LORA_TARGETS, selective_log_softmax
@@ -401,23 +401,11 @@ def _meta_janus(path: str, dtype: torch.dtype, device: str):
     from transformers import AutoConfig, JanusForConditionalGeneration
 
     with init_empty_weights(include_buffers=False):
-        model = JanusForConditionalGeneration(AutoConfig.from_pretrained(path))
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.is_floating_point():
-            t.data = t.data.to(dtype)
+        model = to_load_dtype(JanusForConditionalGeneration(AutoConfig.from_pretrained(path)), dtype)
     m = model.model
     for name in ("vision_model", "aligner", "vqmodel"):
         load_into_shards(getattr(m, name), path, torch.device(device), prefix=f"model.{name}.")
     return model.eval()
-
-
-def shard_on_load(cfg, dist, path: str) -> bool:
-    """Whether to build the image-token path on the meta device and read it into FSDP2 shards (every rank holds
-    1/world of it from the first byte): full fine-tuning under FSDP on several processes, from safetensors. LoRA
-    loads whole (in model.dtype; the frozen base is sharded after loading), as in one process."""
-    if dist is None or dist.world <= 1 or dist.parallel != "fsdp" or cfg.model.lora.enabled:
-        return False
-    return shardable_weights(path)
 
 
 def build_janus_policy(cfg, dist=None) -> JanusPolicy:
@@ -431,7 +419,7 @@ def build_janus_policy(cfg, dist=None) -> JanusPolicy:
     if os.path.isfile(meta_file) and json.load(open(meta_file)).get("lora"):
         raise ConfigError(f"{path!r} is a LoRA policy checkpoint; set model.path to its base model "
                           f"({json.load(open(meta_file)).get('base_model')}) and use mmrl eval for the checkpoint")
-    shard = shard_on_load(cfg, dist, path)
+    shard = sharded_start(cfg, dist) and shardable_weights(path)  # every rank holds 1/world of it from the first byte
     model, processor = load_janus(path, dtype, indexed(device) if shard else device, shard=shard)
     return JanusPolicy(model=model, processor=processor, sampler_cfg=cfg.sampler, lora_cfg=cfg.model.lora,
                        reference=reference_kind(cfg), model_path=path, micro_batch=sample_chunk(cfg.train),
