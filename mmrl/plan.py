@@ -33,9 +33,9 @@ gradient). Frozen and replicated beside it (the "text encoders" slot): the SigLI
 head; the VQ model is the VAE slot, its decode of a sampling chunk (A tokens -> pixels) the decode transient. The
 sampling chain is the KV cache of a chunk's generation (2 rows per sample, prompt + A tokens); a full fine-tuning
 reference is the policy's copy of the ImageTokenLM at model.dtype, sharded under FSDP like the live one. Full
-fine-tuning under FSDP builds the ImageTokenLM on meta and reads each rank's shards (start-up never holds it whole);
-LoRA, and DDP, load the whole model onto each GPU first: start-up then holds the whole ImageTokenLM, the reference and
-the frozen parts at once (peak_loading). Prompts are `prompt_tokens` long (default 48, a bound: GenEval's longest prompt is 12
+fine-tuning and LoRA under FSDP build the ImageTokenLM on meta and read each rank's shards (start-up never holds it
+whole; LoRA's adapters start in their shards); DDP loads the whole model onto each GPU first: start-up then holds the
+whole ImageTokenLM, the reference and the frozen parts at once (peak_loading). Prompts are `prompt_tokens` long (default 48, a bound: GenEval's longest prompt is 12
 words, some 30 tokens in Janus's chat template); rollouts keep image tokens and log-probs (the decoded images go to
 host memory). FLOPs: a CFG row's generation is counted as one forward of its sequence (the KV cache makes the A
 steps one pass), plus one more per row for the old log-probs when the trainer cannot defer them.
@@ -294,8 +294,8 @@ def _janus_parts(cfg, arch: dict | None, rows: Rows, prompt_tokens: int, needs_r
                     0 if full else trained)
     passes = -(-rows.share // m) * t.grad_accum  # training forwards per optimizer step on a rank
     whole = sum(q.numel() * (4 if q.requires_grad else q.element_size()) for q in lm.parameters())  # upcast, unsharded
-    if t.parallel == "fsdp" and not cfg.model.lora.enabled:
-        whole = 0  # build_janus_policy builds the trained path on meta and reads it into shards
+    if t.parallel == "fsdp":
+        whole = 0  # build_janus_policy builds the trained path on meta and reads it into shards (LoRA: its base)
     workload = functools.partial(janus_workload, cfg, janus, lm, frozen, vq, scorer, chunk=rows.chunk, m=m, prompt=p,
                                  kept=stored, passes=passes, needs_reference=needs_reference, loaded_whole=whole)
     return Parts(lm, run, shapes, stored, workload, frozen, vq, decode, kv, names=dict(JANUS_NAMES),

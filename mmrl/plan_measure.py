@@ -11,7 +11,7 @@ before keeping its shard):
   startup   the trained weights (fp32, sharded under FSDP), the frozen KL reference copy (full fine-tuning; at
             model.dtype, sharded like the live copy), text encoders and VAE (replicated at model.dtype), EMA (fp32,
             sharded), plus the largest tensor received whole while loading (a policy that loads its model onto the
-            device before sharding it, token policies and Janus with LoRA: the whole trained module at once,
+            device before sharding it, token policies and any run under DDP: the whole trained module at once,
             `Workload.loaded_whole`);
   sampling  + what a rank keeps from sampling to training (rollout storage, prompt-embedding cache) and the chain of
             latents of its rows, + one no-grad transformer forward of a sampling chunk (CFG doubles its rows);

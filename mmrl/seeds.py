@@ -11,7 +11,7 @@ from __future__ import annotations
 
 PRIME = 1_000_003
 # a stream per consumer; a new consumer adds its name here (never reuse a number: it would replay another's draws)
-STREAMS = {"iteration": 1, "minibatches": 2, "forward_noise": 3, "step_noise": 4, "contrast": 5}
+STREAMS = {"iteration": 1, "minibatches": 2, "forward_noise": 3, "step_noise": 4, "contrast": 5, "lora_init": 6}
 
 
 def derive_seed(seed: int, stream: str, *counters: int) -> int:

@@ -314,11 +314,11 @@ def brightness(outputs, examples):
     return [float((o.mean() + 1) / 2) for o in outputs]
 
 
-def run_worker(model, out, parallel, procs):
+def run_worker(model, out, parallel, procs, tuning="full"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] \
         if procs > 1 else [sys.executable]
-    r = subprocess.run([*launch, os.path.abspath(__file__), model, out, parallel], cwd=ROOT, env=env,
+    r = subprocess.run([*launch, os.path.abspath(__file__), model, out, parallel, tuning], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
@@ -362,7 +362,27 @@ def test_two_processes_end_where_one_ends(tiny_janus, one_process, tmp_path, mod
     assert max((got[f"p{i}"] - p.detach()).abs().max().item() for i, p in enumerate(saved)) < 1e-6
 
 
-def worker(model: str, out: str, parallel: str) -> None:
+def test_lora_on_two_fsdp_processes_starts_in_shards_and_ends_where_one_ends(tiny_janus, tmp_path):
+    """LoRA under FSDP2 on 2 processes: the frozen base of the image-token path is read into shards (meta before,
+    half of every tensor after, equal to the weight file), the adapters start in their shards where one process
+    starts them (init_adapters: one generator, drawn whole), and 2 iterations end within 1e-5 of one process."""
+    from safetensors.torch import load_file
+
+    run_worker(tiny_janus, str(tmp_path / "one.safetensors"), "none", 1, "lora")
+    r = run_worker(tiny_janus, str(tmp_path / "fsdp.safetensors"), "fsdp", 2, "lora")
+    assert "world 2" in r.stdout
+    for rank in (0, 1):
+        rep = json.load(open(tmp_path / f"fsdp.safetensors.rank{rank}.json"))
+        assert rep["meta_before_shard"] and rep["live_sharded"], rep
+        assert 0.4 < rep["local_fraction"] < 0.6 and rep["live_equals_disk"], rep
+        assert rep["adapters"] > 0 and rep["adapters_equal_one_process"], rep
+    one, got = load_file(tmp_path / "one.safetensors"), load_file(tmp_path / "fsdp.safetensors")
+    d = max((one[k] - got[k]).abs().max().item() for k in one)
+    print(f"janus LoRA, fsdp: max abs difference from one process {d:.2e}")
+    assert d < 1e-5, d
+
+
+def worker(model: str, out: str, parallel: str, tuning: str = "full") -> None:
     from safetensors.torch import save_file
 
     from mmrl.compose import load_config
@@ -382,15 +402,38 @@ def worker(model: str, out: str, parallel: str) -> None:
         return parallelize(self, wrap, parallel)
 
     JanusPolicy.parallelize = spy
+    lora = tuning == "lora"
     cfg = load_config(RECIPE, [
-        f"model.path={model}", "model.dtype=float32", "model.device=cpu", "model.lora.enabled=false",
+        f"model.path={model}", "model.dtype=float32", "model.device=cpu", f"model.lora.enabled={str(lora).lower()}",
+        "model.lora.rank=4", "model.lora.alpha=8",
         f"log.out_dir={os.path.dirname(out)}/run-{parallel}", f"train.parallel={parallel}",
-        "reward.name=test_janus:brightness", "reward.kwargs={}", "algo.kl_coef=0.01", "train.prompts_per_iter=3",
+        "reward.name=test_janus:brightness", "reward.kwargs={}", f"algo.kl_coef={0 if lora else 0.01}",
+        "train.prompts_per_iter=3",
         "train.group_size=4", "train.minibatches=2", "train.micro_batch=0", "train.gradient_checkpointing=false",
         "train.mixed_precision=no", "train.lr=1e-3", "train.iterations=2", "log.tensorboard=false",
         "log.eval_at_start=false", "log.progress=false"])
     tr = Trainer(cfg)
-    if parallel == "fsdp":
+    if parallel == "fsdp" and lora:
+        from mmrl.models.shard_load import file_key, is_adapter
+        from mmrl.policy.janus import build_janus_policy
+
+        disk = load_weights(os.path.join(model, "model.safetensors"))
+        named = dict(tr.policy.lm.named_parameters())
+        base = {n: t for n, t in named.items() if not is_adapter(n)}
+        whole = dict(build_janus_policy(cfg).lm.named_parameters())  # one process's start (adapters by init_adapters)
+        adapters = [n for n in named if is_adapter(n)]
+        report = {"meta_before_shard": seen["meta_before_shard"],
+                  "live_sharded": all(hasattr(t, "to_local") for t in named.values()),
+                  "local_fraction": sum(t.to_local().numel() for t in base.values()) / sum(
+                      t.numel() for t in base.values()),
+                  "live_equals_disk": all(torch.equal(full(t).detach(), disk["model." + file_key(n)].to(t.dtype))
+                                          for n, t in base.items()),
+                  "adapters": len(adapters),
+                  "adapters_equal_one_process": all(torch.equal(full(named[n]).detach(), whole[n].detach())
+                                                    for n in adapters)}
+        with open(f"{out}.rank{tr.dist.rank}.json", "w") as f:
+            json.dump(report, f)
+    elif parallel == "fsdp":
         disk = load_weights(os.path.join(model, "model.safetensors"))
         live, ref = dict(tr.policy.lm.named_parameters()), dict(tr.policy._ref.named_parameters())
         local = lambda ts: sum((t.to_local() if hasattr(t, "to_local") else t).numel() for t in ts) / sum(  # noqa
@@ -416,4 +459,4 @@ def worker(model: str, out: str, parallel: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
-    worker(*sys.argv[1:4])
+    worker(*sys.argv[1:5])

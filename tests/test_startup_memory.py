@@ -111,6 +111,27 @@ def test_fsdp_builds_on_meta_and_loads_into_shards(tiny_pixel_model, tmp_path, d
         assert diff < 1e-6, f"FSDP loaded into shards differs from one process by {diff} after one iteration"
 
 
+def test_lora_under_fsdp_reads_its_base_into_shards(tiny_pixel_model, tmp_path):
+    """LoRA (KL to the base through the disabled adapters, EMA) on 2 FSDP2 processes: the frozen base is meta before
+    sharding and each rank then holds half of it, equal to the weight file; the adapters start in their shards where
+    one process starts them (init_adapters); one iteration ends where one process ends."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    runs = {"two": [*launch, WORKER], "one": [sys.executable, WORKER]}
+    for name, cmd in runs.items():
+        r = subprocess.run([*cmd, tiny_pixel_model, str(tmp_path / f"{name}.safetensors"), "--lora"], cwd=ROOT,
+                           env=ENV, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):
+        rep = json.load(open(f"{tmp_path / 'two.safetensors'}.rank{rank}.json"))
+        assert rep["meta_before_shard"] and rep["live_sharded"] and rep["live_equals_disk"], rep
+        assert 0.45 < rep["local_fraction"] < 0.55, rep
+        assert rep["adapters"] > 0 and rep["adapters_equal_one_process"], rep
+    one, two = load_file(tmp_path / "one.safetensors"), load_file(tmp_path / "two.safetensors")
+    assert set(one) == set(two) and len(one) > 0
+    diff = max((one[k] - two[k]).abs().max().item() for k in one)
+    assert diff < 1e-6, f"LoRA loaded into shards differs from one process by {diff} after one iteration"
+
+
 def test_sharded_weight_files_load_through_their_index(tiny_pixel_model, tmp_path):
     """A folder saved in several safetensors files (the hub's large models) beside an fp16 variant: the index's
     files are read, the variant is not."""

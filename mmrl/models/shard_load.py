@@ -1,10 +1,12 @@
 """Sharded loading: a diffusers model built on the meta device (`meta_component`) and filled from its safetensors
 files, each rank reading only the rows of its FSDP2 shards (`load_into_shards`); a frozen copy made shard by shard
-(`copy_shards`). A leaf of the models layer: the families and the pipeline loader both use it."""
+(`copy_shards`); LoRA adapters started the same whole or in shards (`init_adapters`). A leaf of the models layer: the
+families and the pipeline loader both use it."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -56,10 +58,45 @@ def to_load_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module
 
 
 def sharded_start(cfg, dist) -> bool:
-    """Whether a run builds its trained model on the meta device and reads it into FSDP2 shards: full fine-tuning
-    under FSDP on several processes. LoRA loads whole (its frozen base in model.dtype, sharded after loading), as in
-    one process; each policy adds what else it needs (safetensors weights, no model.offload)."""
-    return dist is not None and dist.world > 1 and dist.parallel == "fsdp" and not cfg.model.lora.enabled
+    """Whether a run builds its trained model on the meta device and reads it into FSDP2 shards: FSDP on several
+    processes, full fine-tuning or LoRA (the frozen base then sharded in model.dtype, the adapters started by
+    `init_adapters`); each policy adds what else it needs (safetensors weights, no model.offload)."""
+    return dist is not None and dist.world > 1 and dist.parallel == "fsdp"
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter `name` is a peft LoRA adapter's (not in the base model's weight files)."""
+    return ".lora_" in name
+
+
+def file_key(name: str) -> str:
+    """The weight files' key of parameter `name` of a model with peft adapters injected: a wrapped layer keeps its
+    base weight at `<layer>.base_layer.weight`, saved as `<layer>.weight`."""
+    return name.replace(".base_layer.", ".")
+
+
+@torch.no_grad()
+def init_adapters(module: torch.nn.Module, init: bool | str, seed: int) -> None:
+    """The starting values of `module`'s LoRA adapters, the same whole or in FSDP2 shards (so several processes start
+    where one does): every A drawn whole on the CPU by one generator seeded `seed`, parameters in name order, as peft
+    draws it (`init` = LoraConfig.init_lora_weights: True, kaiming-uniform with a = sqrt(5); "gaussian", N(0, 1/r)),
+    every B zero; each rank keeps its rows. Called after peft has injected the adapters (its own draws overwritten)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        if not is_adapter(name):
+            continue
+        whole = torch.zeros(p.shape)
+        if ".lora_A." in name:
+            if init is True:
+                torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=g)
+            elif init == "gaussian":
+                torch.nn.init.normal_(whole, std=1 / whole.shape[0], generator=g)
+            else:
+                raise ValueError(f"init_lora_weights={init!r}: init_adapters draws True (kaiming) or 'gaussian'")
+        elif ".lora_B." not in name:
+            raise ValueError(f"{name}: init_adapters starts LoRA's lora_A / lora_B of linear and conv layers only")
+        local, rows = _local_slice(p)
+        local.copy_(whole[rows].reshape(local.shape))
 
 
 def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -95,7 +132,9 @@ def load_into_shards(module: torch.nn.Module, folder: str, device: torch.device,
     FSDP2), cast to the parameter's dtype (fp32 master weights are upcast shard by shard). Every parameter and
     persistent buffer must be in the files with its shape; else ValueError naming the folder and the keys.
     prefix: `module` is a part of the model the files hold (a transformers model's `model.`): parameter `n` is read
-    from key `prefix + n`, and the files' other keys are not this call's (no "unexpected" check)."""
+    from key `prefix + n`, and the files' other keys are not this call's (no "unexpected" check). With peft adapters
+    injected, the base layers are read from their files' keys (`file_key`) and the adapters are left for
+    `init_adapters` (uninitialized here)."""
     from safetensors import safe_open
 
     materialize(module, device)
@@ -103,7 +142,8 @@ def load_into_shards(module: torch.nn.Module, folder: str, device: torch.device,
     for f in weight_files(folder):
         with safe_open(os.path.join(folder, f), "pt") as h:
             where.update({k[len(prefix):]: f for k in h.keys() if k.startswith(prefix)})
-    targets = [*module.named_parameters(), *_persistent_buffers(module)]
+    targets = [(file_key(n), t) for n, t in [*module.named_parameters(), *_persistent_buffers(module)]
+               if not is_adapter(n)]
     missing = [prefix + n for n, _ in targets if n not in where]
     extra = [] if prefix else sorted(set(where) - {n for n, _ in targets})
     if missing or extra:

@@ -27,11 +27,12 @@ from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, save_lora_adapt
                               write_policy_meta)
 from mmrl.models.families import lora_targets
 from mmrl.models.flow_model import EXPERTS, FlowModel
-from mmrl.models.shard_load import copy_shards, load_into_shards
+from mmrl.models.shard_load import copy_shards, init_adapters, load_into_shards
 from mmrl.policy.flow_checkpoint import (  # noqa: F401  (load_policy_checkpoint: the checkpoint loader's home is there)
     _link_base_parts, _load_transformer_weights, load_policy_checkpoint, save_diffusers_lora)
 from mmrl.rollout.tree import run_tree, trained_steps
 from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std, strided_schedule
+from mmrl.seeds import derive_seed
 
 WEIGHTS_FILE = "trainable.safetensors"
 log = logging.getLogger(__name__)
@@ -41,13 +42,14 @@ class FlowPolicy(PolicyDefaults):
     def __init__(self, *, model: FlowModel, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = "",
                  progress: bool = False, tree_cfg=None, model_options: dict | None = None, micro_batch: int = 0,
                  text_cache: int = 1024, offload: bool = False, objective: str = "transitions",
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, seed: int = 0):
         """Keyword-only (mmrl/policy/flow_build.py fills them from a config). model: its family names the LoRA
         targets and pipeline; sampler_cfg, lora_cfg, tree_cfg: the config's sections; reference: reference_kind's
         "auto" | "none"; model_path, model_options: the base and how it loaded (kept in checkpoints); micro_batch:
         rows per no-grad forward (0 = all); offload: frozen parts wait on the CPU; objective: "transitions" (SDE
         steps are the actions) | "forward" (noise levels of x0, docs/algorithms.md §10); device: where the trained
-        transformers go, needed when built on the meta device (loaded into shards by `parallelize`)."""
+        transformers go, needed when built on the meta device (loaded into shards by `parallelize`); seed: the run's
+        (train.seed), from which LoRA's adapters start (`init_adapters`, the same whole or in shards)."""
         from mmrl.config import TreeConfig
 
         self.model, self.cfg, self.model_path, self.progress = model, sampler_cfg, model_path, progress
@@ -59,7 +61,7 @@ class FlowPolicy(PolicyDefaults):
         # (only when `device` is given: the fake accelerator of the tests also reports the meta device type)
         self._pending = [n for n, tr in self.experts() if next(tr.parameters()).is_meta] if device is not None else []
         self.device = torch.device(device) if self._pending else first.device
-        self.lora = bool(lora_cfg.enabled)
+        self.lora, self.seed = bool(lora_cfg.enabled), seed
         if self.lora:
             from peft import LoraConfig
 
@@ -74,6 +76,8 @@ class FlowPolicy(PolicyDefaults):
             if self._ref_copy is not None:  # before the upcast: the reference keeps model.dtype (the checkpoint's)
                 self._ref_copy[name] = copy.deepcopy(tr).requires_grad_(False).eval()
             upcast_trainable(tr)  # on the meta device when loaded into shards: the shards are then made fp32
+            if self.lora and name not in self._pending:  # else parallelize starts them in their shards
+                init_adapters(tr, self.lora_config.init_lora_weights, derive_seed(self.seed, "lora_init", EXPERTS.index(name)))
             tr.train()
         self.has_reference = reference == "auto"
         self.sigmas = model.schedule(sampler_cfg.num_steps, sampler_cfg.shift)  # [S + 1], the family's shift
@@ -421,6 +425,8 @@ class FlowPolicy(PolicyDefaults):
             experts = dict(self.experts())
             for name in self._pending:
                 load_into_shards(experts[name], os.path.join(self.model_path, name), self.device)
+                if self.lora:
+                    init_adapters(experts[name], self.lora_config.init_lora_weights, derive_seed(self.seed, "lora_init", EXPERTS.index(name)))
                 if self._ref_copy is not None:
                     copy_shards(experts[name], self._ref_copy[name], self.device)
             self._pending = []

@@ -34,14 +34,15 @@ def build_flow_policy(cfg, dist=None) -> FlowPolicy:
     return FlowPolicy(model=model, sampler_cfg=cfg.sampler, lora_cfg=cfg.model.lora, reference=reference_kind(cfg),
                       model_path=path, progress=cfg.log.progress, tree_cfg=cfg.tree, model_options=options,
                       micro_batch=sample_chunk(cfg.train), text_cache=cfg.model.text_cache, offload=cfg.model.offload,
-                      objective=build_objective(cfg.algo).actions, device=indexed(device) if meta else None)
+                      objective=build_objective(cfg.algo).actions, device=indexed(device) if meta else None,
+                      seed=cfg.train.seed)
 
 
 def shard_on_load(cfg, dist, path: str) -> tuple[str, ...]:
     """The trained transformers to build on the meta device and load into FSDP2 shards after `parallelize` (so
-    every rank holds 1/world of them from the first byte): full fine-tuning under FSDP on several processes, from
-    safetensors folders. LoRA (the frozen base is sharded after loading, in its own dtype), model.offload (the
-    reference stays whole on the CPU) and folders without safetensors load whole, as in one process."""
+    every rank holds 1/world of them from the first byte): FSDP on several processes (full fine-tuning, or LoRA's
+    frozen base in its own dtype), from safetensors folders. model.offload (the reference stays whole on the CPU)
+    and folders without safetensors load whole, as in one process."""
     if not sharded_start(cfg, dist) or cfg.model.offload:
         return ()
     if not os.path.isfile(os.path.join(path, "model_index.json")):

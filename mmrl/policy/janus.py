@@ -49,10 +49,12 @@ import torch
 from mmrl.cache import BoundedCache
 from mmrl.data import PolicyOutput, Rollout, group_ids
 from mmrl.errors import ConfigError, MissingFile
-from mmrl.models.shard_load import copy_shards, load_into_shards, shardable_weights, sharded_start, to_load_dtype
+from mmrl.models.shard_load import (copy_shards, init_adapters, load_into_shards, shardable_weights, sharded_start,
+                                    to_load_dtype)
 from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, reference_kind, resolve_model_path,
                               save_lora_adapter, upcast_trainable, write_policy_meta)
 from mmrl.policy.token import DEFAULT_LORA_TARGETS, selective_log_softmax
+from mmrl.seeds import derive_seed
 
 SCORE_CHUNK = 8  # rows per old-log-prob forward when train.sample_chunk is 0 (logits [2 x 8, 576, 16384] fp32 = 0.6 GB)
 
@@ -94,9 +96,11 @@ class JanusPolicy(PolicyDefaults):
     samples_rows = True  # row r samples from seed + r: any subset of a batch's rows, the same on any rank
 
     def __init__(self, *, model, processor, sampler_cfg, lora_cfg, reference: str = "auto", model_path: str = "",
-                 micro_batch: int = 0, device: torch.device | None = None):
+                 micro_batch: int = 0, device: torch.device | None = None, seed: int = 0):
         """device: given when `model`'s image-token path was built on the meta device (`load_janus(shard=True)`):
-        `parallelize` then reads this rank's FSDP2 shards of it from model_path, and the reference copies them."""
+        `parallelize` then reads this rank's FSDP2 shards of it from model_path, and the reference copies them (or
+        LoRA's adapters start there); seed: the run's (train.seed), from which LoRA's adapters start (`init_adapters`,
+        the same whole or in shards)."""
         self.janus, self.processor, self.model_path, self.micro_batch = model, processor, model_path, micro_batch
         self.temperature, self.cfg_grad = sampler_cfg.temperature, sampler_cfg.cfg_grad
         self.cfg_scale, self.eval_cfg_scale = sampler_cfg.cfg_scale, sampler_cfg.eval_cfg_scale
@@ -127,8 +131,10 @@ class JanusPolicy(PolicyDefaults):
         if not self.lora:
             self.lm.requires_grad_(True)
         upcast_trainable(self.lm)
-        self._pending = device is not None
+        self._pending, self.seed = device is not None, seed
         self.device = device if self._pending else next(self.lm.parameters()).device
+        if self.lora and not self._pending:  # else parallelize starts them in their shards
+            init_adapters(self.lm, self.lora_config.init_lora_weights, derive_seed(seed, "lora_init", 0))
         self.model.train()
         model.model.vqmodel.eval()
 
@@ -303,6 +309,8 @@ class JanusPolicy(PolicyDefaults):
                 raise RuntimeError(f"Janus's image-token path built on the meta device is loaded into FSDP shards; "
                                    f"train.parallel={parallel} has none")
             load_into_shards(self.lm, self.model_path, self.device, prefix="model.")
+            if self.lora:
+                init_adapters(self.lm, self.lora_config.init_lora_weights, derive_seed(self.seed, "lora_init", 0))
             if self._ref is not None:
                 copy_shards(self.lm, self._ref, self.device)
             self._pending = False
@@ -423,7 +431,7 @@ def build_janus_policy(cfg, dist=None) -> JanusPolicy:
     model, processor = load_janus(path, dtype, indexed(device) if shard else device, shard=shard)
     return JanusPolicy(model=model, processor=processor, sampler_cfg=cfg.sampler, lora_cfg=cfg.model.lora,
                        reference=reference_kind(cfg), model_path=path, micro_batch=sample_chunk(cfg.train),
-                       device=indexed(device) if shard else None)
+                       device=indexed(device) if shard else None, seed=cfg.train.seed)
 
 
 build_janus_policy.check_config = check_janus_config  # mmrl validate runs it before any weight loads
