@@ -1,4 +1,5 @@
-"""Peak resident memory per rank and per phase of a real-size full fine-tune, 1 process against 2 under FSDP2.
+"""Peak resident memory per rank and per phase of a real-size fine-tune (full, or LoRA with --lora), 1 process
+against 2 under FSDP2.
 
 A shapes-world SD3Transformer2DModel of ~170 M parameters (8 layers, 12 heads x 64, caption_projection_dim 768;
 random init, saved as a model folder like tasks/assets/shapes-base in a temporary folder) is fully fine-tuned with
@@ -22,6 +23,7 @@ unmapped), the same for 1 and 2 processes; --glibc-default measures without it.
     OMP_NUM_THREADS=1 python benchmarks/bench_memory_dist.py --quick      # 2 layers (38 M), about 4 minutes
     OMP_NUM_THREADS=1 python benchmarks/bench_memory_dist.py --dtype bfloat16   # model.dtype bf16 (+ bf16 compute)
     OMP_NUM_THREADS=1 python benchmarks/bench_memory_dist.py --policy janus      # the Janus policy (~160 M)
+    OMP_NUM_THREADS=1 python benchmarks/bench_memory_dist.py --lora              # LoRA instead of full fine-tuning
 
 --policy janus: the AR shapes world's Janus (tasks/assets/shapes-ar-base) with its language model widened to 12
 layers of 1024 (~160 M parameters; --quick: 2 layers), the same phases, one token-GRPO iteration of
@@ -118,6 +120,7 @@ def worker(spec: dict) -> None:
     tr.dist.close()
 
 
+LORA = ["model.lora.enabled=true", "model.lora.rank=16", "model.lora.alpha=16"]  # --lora (KL: adapters disabled)
 POLICIES = {  # --policy: (config, its overrides, the base whose peaks are subtracted, the builder of the large model)
     "flow": ("configs/t2i/shapes_grpo.yaml", ["sampler.num_steps=4", "sampler.sde_window_size=2",
                                               "sampler.sde_window_range=[0,2]"], BASE, build_model),
@@ -126,9 +129,10 @@ POLICIES = {  # --policy: (config, its overrides, the base whose peaks are subtr
 
 
 def launch(model: str, world: int, out_dir: str, tmp: str, quick: bool, glibc_default: bool = False,
-           dtype: str = "float32", policy: str = "flow") -> dict[int, dict[str, float]]:
+           dtype: str = "float32", policy: str = "flow", lora: bool = False) -> dict[int, dict[str, float]]:
     """Train + save, then resume, on `world` processes; {rank: {phase: peak MiB}}."""
     config, extra = POLICIES[policy][:2]
+    extra = [*extra, *(LORA if lora else [])]
     overrides = [f"model.path={model}", f"log.out_dir={out_dir}", "log.tensorboard=false", "log.progress=false",
                  "log.eval_at_start=false", "train.iterations=100", "train.time_budget_min=0", "log.save_every=1",
                  f"train.parallel={'fsdp' if world > 1 else 'none'}", "model.reference=auto", "algo.kl_coef=0.04",
@@ -161,6 +165,8 @@ def main() -> None:
     p.add_argument("--glibc-default", action="store_true", help="without MALLOC_MMAP_THRESHOLD_ (see above)")
     p.add_argument("--policy", default="flow", choices=sorted(POLICIES),
                    help="flow: the shapes SD3 (default); janus: the AR shapes world's Janus")
+    p.add_argument("--lora", action="store_true", help="LoRA (rank 16 on the policy's targets) instead of full "
+                   "fine-tuning: the frozen base at model.dtype, the KL through the disabled adapters")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -172,7 +178,7 @@ def main() -> None:
         for name, model in (("base", base), ("big", big)):
             for world in (1, args.world):
                 peaks[f"{name}-{world}"] = launch(model, world, os.path.join(tmp, f"run-{name}-{world}"), tmp,
-                                                  args.quick, args.glibc_default, args.dtype, args.policy)
+                                                  args.quick, args.glibc_default, args.dtype, args.policy, args.lora)
     phases = [*PHASES, "startup_resume"]
     model = {w: {r: {ph: peaks[f"big-{w}"][r][ph] - peaks[f"base-{w}"][r][ph] for ph in phases}
                  for r in peaks[f"big-{w}"]} for w in (1, args.world)}
@@ -184,7 +190,7 @@ def main() -> None:
     for ph in phases:
         print(f"{ph:16s}{one[ph]:12.0f}" + "".join(f"{model[args.world][r][ph]:10.0f} (x{ratio[r][ph]:.2f})"
                                                    for r in ratio))
-    print(json.dumps({"params": params, "policy": args.policy, "world": args.world, "dtype": args.dtype, "peaks_mib": peaks,
+    print(json.dumps({"params": params, "policy": args.policy, "lora": args.lora, "world": args.world, "dtype": args.dtype, "peaks_mib": peaks,
                       "model_mib": model, "ratio": ratio, "worst_ratio": max(v for r in ratio.values() for v in r.values())}))
 
 
