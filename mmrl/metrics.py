@@ -29,6 +29,17 @@ def video_strips(videos: torch.Tensor, max_frames: int = 8) -> torch.Tensor:
     return videos[:, :, idx].permute(0, 1, 3, 2, 4).flatten(3)
 
 
+def _after_event_files(tb_dir: str) -> None:
+    """Wait until the clock's second is past the creation second of every event file in `tb_dir`. TensorBoard reads
+    a folder's files in name order (events.out.tfevents.<second>.<host>.<pid>.<counter>, the counter compared as
+    text), and a resumed run's purge of the steps after its checkpoint only drops events of the files read before
+    its own: a file of the same second could sort after it (counter 10 before 9) and keep what was purged."""
+    seconds = [int(f.split(".")[3]) for f in os.listdir(tb_dir) if f.startswith("events.out.tfevents.")] \
+        if os.path.isdir(tb_dir) else []
+    while seconds and int(time.time()) <= max(seconds):
+        time.sleep(0.05)
+
+
 class Logger:
     """metrics.jsonl (every scalar, one JSON line per call) and TensorBoard under `out_dir`.
 
@@ -59,6 +70,8 @@ class Logger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            if resume:
+                _after_event_files(os.path.join(out_dir, "tb"))
             self.tb = SummaryWriter(os.path.join(out_dir, "tb"), purge_step=resume[1] if resume else None)
             for row in kept:
                 if row.get("step", -1) >= resume[1]:
