@@ -362,6 +362,7 @@ def test_two_processes_end_where_one_ends(tiny_janus, one_process, tmp_path, mod
     assert max((got[f"p{i}"] - p.detach()).abs().max().item() for i, p in enumerate(saved)) < 1e-6
 
 
+@pytest.mark.slow  # ~50 s on 2 quiet cores; the flow policy's LoRA case runs by default (test_startup_memory.py)
 def test_lora_on_two_fsdp_processes_starts_in_shards_and_ends_where_one_ends(tiny_janus, tmp_path):
     """LoRA under FSDP2 on 2 processes: the frozen base of the image-token path is read into shards (meta before,
     half of every tensor after, equal to the weight file), the adapters start in their shards where one process
