@@ -190,7 +190,8 @@ def main() -> None:
     for ph in phases:
         print(f"{ph:16s}{one[ph]:12.0f}" + "".join(f"{model[args.world][r][ph]:10.0f} (x{ratio[r][ph]:.2f})"
                                                    for r in ratio))
-    print(json.dumps({"params": params, "policy": args.policy, "lora": args.lora, "world": args.world, "dtype": args.dtype, "peaks_mib": peaks,
+    print(json.dumps({"params": params, "policy": args.policy, "lora": args.lora, "world": args.world,
+                      "dtype": args.dtype, "peaks_mib": peaks,
                       "model_mib": model, "ratio": ratio, "worst_ratio": max(v for r in ratio.values() for v in r.values())}))
 
 

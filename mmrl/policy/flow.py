@@ -77,7 +77,7 @@ class FlowPolicy(PolicyDefaults):
                 self._ref_copy[name] = copy.deepcopy(tr).requires_grad_(False).eval()
             upcast_trainable(tr)  # on the meta device when loaded into shards: the shards are then made fp32
             if self.lora and name not in self._pending:  # else parallelize starts them in their shards
-                init_adapters(tr, self.lora_config.init_lora_weights, derive_seed(self.seed, "lora_init", EXPERTS.index(name)))
+                self._start_adapters(name, tr)
             tr.train()
         self.has_reference = reference == "auto"
         self.sigmas = model.schedule(sampler_cfg.num_steps, sampler_cfg.shift)  # [S + 1], the family's shift
@@ -426,10 +426,14 @@ class FlowPolicy(PolicyDefaults):
             for name in self._pending:
                 load_into_shards(experts[name], os.path.join(self.model_path, name), self.device)
                 if self.lora:
-                    init_adapters(experts[name], self.lora_config.init_lora_weights, derive_seed(self.seed, "lora_init", EXPERTS.index(name)))
+                    self._start_adapters(name, experts[name])
                 if self._ref_copy is not None:
                     copy_shards(experts[name], self._ref_copy[name], self.device)
             self._pending = []
+
+    def _start_adapters(self, name: str, tr: torch.nn.Module) -> None:
+        """Expert `name`'s LoRA adapters at their start, whole or in their shards (init_adapters, its own seed)."""
+        init_adapters(tr, self.lora_config.init_lora_weights, derive_seed(self.seed, "lora_init", EXPERTS.index(name)))
 
     def context_parallel(self, mesh, kind: str) -> None:
         """Each transformer (and a frozen KL reference copy) runs its calls split over the mesh's cp ranks through

@@ -4,8 +4,9 @@ shards (full fine-tuning with a frozen KL reference and EMA), then trains one it
     torchrun --nproc_per_node 2 tests/workers/startup_shards.py MODEL OUT [--dtype bfloat16] [--lora]
 
 --lora: LoRA (rank 4, KL to the base through the disabled adapters) instead: the frozen base is read into shards and
-the adapters start there (init_adapters). Each rank checks what it holds and writes it to OUT.rankR.json (ranks' prints would interleave); rank 0 writes OUT
-(safetensors) with the whole trained parameters after one iteration (p0, p1, ... in parameter order).
+the adapters start there (init_adapters). Each rank checks what it holds and writes it to OUT.rankR.json (ranks'
+prints would interleave); rank 0 writes OUT (safetensors) with the whole trained parameters after one iteration
+(p0, p1, ... in parameter order).
 """
 
 import argparse
@@ -108,9 +109,11 @@ def lora_report(cfg, tr, model: str, seen: dict) -> dict:
     return {"meta_before_shard": seen["meta_before_shard"],
             "live_sharded": all(hasattr(t, "to_local") for t in named.values()),
             "local_fraction": sum(t.to_local().numel() for t in base.values()) / sum(t.numel() for t in base.values()),
-            "live_equals_disk": all(torch.equal(full(t).detach(), disk[file_key(n)].to(t.dtype)) for n, t in base.items()),
+            "live_equals_disk": all(torch.equal(full(t).detach(), disk[file_key(n)].to(t.dtype))
+                                    for n, t in base.items()),
             "adapters": len(adapters),
-            "adapters_equal_one_process": all(torch.equal(full(named[n]).detach(), whole[n].detach()) for n in adapters)}
+            "adapters_equal_one_process": all(torch.equal(full(named[n]).detach(), whole[n].detach())
+                                              for n in adapters)}
 
 
 if __name__ == "__main__":
