@@ -168,3 +168,18 @@ def condition_images(example: dict, count: int) -> list:
         image.filename = str(item)  # the encoders' cache key
         out.append(image)
     return out
+
+
+def load_image(path: str, side: int) -> torch.Tensor:
+    """An image file as [3, side, side] in [-1, 1] (resized with bicubic resampling when its size differs)."""
+    import numpy as np
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            image = im.convert("RGB")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"output image {path!r} does not read as an image ({e})") from None
+    if image.size != (side, side):
+        image = image.resize((side, side), Image.BICUBIC)
+    return torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1) / 127.5 - 1

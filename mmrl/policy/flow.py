@@ -21,7 +21,7 @@ import os
 import torch
 
 from mmrl.cache import BoundedCache
-from mmrl.data import PolicyOutput, Rollout, condition_images, group_ids
+from mmrl.data import PolicyOutput, Rollout, condition_images, group_ids, load_image
 from mmrl.errors import ConfigError
 from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, save_lora_adapter, upcast_trainable,
                               write_policy_meta)
@@ -480,21 +480,6 @@ class FlowPolicy(PolicyDefaults):
                 load_lora_adapter(tr, path if name == "transformer" else os.path.join(path, name))
             else:
                 _load_transformer_weights(tr, path, name)
-
-
-def load_image(path: str, side: int) -> torch.Tensor:
-    """An image file as [3, side, side] in [-1, 1] (resized with bicubic resampling when its size differs)."""
-    import numpy as np
-    from PIL import Image
-
-    try:
-        with Image.open(path) as im:
-            image = im.convert("RGB")
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"output image {path!r} does not read as an image ({e})") from None
-    if image.size != (side, side):
-        image = image.resize((side, side), Image.BICUBIC)
-    return torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1) / 127.5 - 1
 
 
 def in_chunks(fn, size: int, *tensors: torch.Tensor) -> torch.Tensor:
