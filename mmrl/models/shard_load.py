@@ -85,17 +85,19 @@ def init_adapters(module: torch.nn.Module, init: bool | str, seed: int) -> None:
     for name, p in module.named_parameters():
         if not is_adapter(name):
             continue
-        whole = torch.zeros(p.shape)
-        if ".lora_A." in name:
-            if init is True:
-                torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=g)
-            elif init == "gaussian":
-                torch.nn.init.normal_(whole, std=1 / whole.shape[0], generator=g)
-            else:
-                raise ValueError(f"init_lora_weights={init!r}: init_adapters draws True (kaiming) or 'gaussian'")
-        elif ".lora_B." not in name:
-            raise ValueError(f"{name}: init_adapters starts LoRA's lora_A / lora_B of linear and conv layers only")
         local, rows = _local_slice(p)
+        if ".lora_B." in name:
+            local.zero_()
+            continue
+        if ".lora_A." not in name:
+            raise ValueError(f"{name}: init_adapters starts LoRA's lora_A / lora_B of linear and conv layers only")
+        whole = torch.empty(p.shape)
+        if init is True:
+            torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=g)
+        elif init == "gaussian":
+            torch.nn.init.normal_(whole, std=1 / whole.shape[0], generator=g)
+        else:
+            raise ValueError(f"init_lora_weights={init!r}: init_adapters draws True (kaiming) or 'gaussian'")
         local.copy_(whole[rows].reshape(local.shape))
 
 
