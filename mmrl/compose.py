@@ -124,6 +124,9 @@ def _check_objective(cfg: Config) -> None:
             a.kl_reference == "ema" and cfg.train.ema_decay == 0)):
         raise ConfigError(f"algo.objective.name={name} compares each sample with a reference: set "
                           f"model.reference=auto (the frozen base), or train.ema_decay > 0 with algo.kl_reference=ema")
+    if obj.needs_ema_anchor and cfg.train.ema_decay == 0:
+        raise ConfigError(f"algo.objective.name={name} with kwargs.anchor=ema anchors at the EMA of the trained "
+                          f"weights: set train.ema_decay (e.g. 0.9), or kwargs.anchor=reference")
     if obj.needs_whole_groups and (cfg.train.minibatches != 1 or cfg.train.micro_batch):
         raise ConfigError(f"algo.objective.name={name} sums over whole groups in one pass: set "
                           f"train.minibatches=1, train.micro_batch=0")

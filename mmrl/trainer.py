@@ -278,11 +278,14 @@ class Trainer:
         add up to the gradient of the whole minibatch. `first`: no optimizer step yet this iteration. Returns (the
         part's loss, its statistics as PassStats.add_pass's arguments)."""
         kw, obj = ({} if actions is None else {"actions": actions}), self.objective
-        ref = None
+        ref = anchor = None
         if obj.needs_reference:  # before the forward with gradients (EMA: swapped in place; the policy's precision)
             with torch.no_grad(), self.ema.swapped() if self.cfg.algo.kl_reference == "ema" else self.policy.reference(), \
                     self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
                 ref = self.policy.log_prob(rollout, idx, **kw)
+        if obj.needs_ema_anchor:  # a loss anchored at the EMA beside a KL to the base: a second forward without gradients
+            with torch.no_grad(), self.ema.swapped(), self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
+                anchor = self.policy.log_prob(rollout, idx, **kw)
         with self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
             out = self.policy.log_prob(rollout, idx, **kw)
         deferred = torch.isnan(rollout.old_log_prob[idx])
@@ -296,7 +299,8 @@ class Trainer:
         mb = rollout.select(idx).to(dev)
         mask = mb.action_mask  # the whole rows' actions normalize the loss; this part's actions carry it
         part = mask if actions is None else mask & actions.to(dev)
-        loss_a, s = obj.per_action(Batch(None, mb.old_log_prob, adv[idx].to(dev), mb.group_id, part, mb, out, ref))
+        loss_a, s = obj.per_action(Batch(None, mb.old_log_prob, adv[idx].to(dev), mb.group_id, part, mb, out, ref,
+                                         anchor))
         loss = obj.aggregate(loss_a * part, mask, *sizes) * weight
         loss.backward()
         return loss.item(), (out, mb, s, part, first)

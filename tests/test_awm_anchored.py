@@ -122,3 +122,40 @@ def test_trains_with_the_ema_anchor(tiny_pixel_model, tmp_path):
         load_config("configs/tiny/flow_smoke.yaml", over + ["train.ema_decay=0"])
     cfg = load_config("configs/t2i/shapes_awm_anchored.yaml", [])
     assert cfg.algo.objective.name == "awm_anchored" and cfg.algo.clip_range == 1e-3 and cfg.train.ema_decay == 0.9
+
+
+def test_ema_anchor_is_read_instead_of_the_reference():
+    """kwargs.anchor=ema: the negative branch is anchored at ctx.anchor (the EMA's velocity); ctx.ref (the KL's
+    reference, e.g. the frozen base) plays no part in it. Same numbers as test_negative_branch_by_hand."""
+    v = torch.tensor([[[1.5, 0.5]]], requires_grad=True)
+    target = torch.tensor([[[0.0, 1.0]]])
+    logp = -(v - target).pow(2).flatten(2).mean(-1)
+    ctx = SimpleNamespace(out=SimpleNamespace(stats={"velocity": v, "target": target}),
+                          ref=SimpleNamespace(stats={"velocity": torch.full((1, 1, 2), 9.0)}),
+                          anchor=SimpleNamespace(stats={"velocity": torch.tensor([[[1.0, 0.0]]])}),
+                          group_id=torch.zeros(1))
+    knobs = AWMAnchoredKnobs(clip_range=10.0, clip_range_high=None, clip_ratio_c=3.0, anchor="ema")
+    loss, s = POLICY_LOSSES["awm_anchored"](logp, logp.detach(), torch.tensor([-2.0]), knobs, ctx)
+    torch.testing.assert_close(loss, torch.tensor([[2.5]]))
+    torch.testing.assert_close(s["awm_anchor_gap"], torch.tensor([[0.25]]))
+    with pytest.raises(ValueError, match="anchor must be reference or ema"):
+        AWMAnchoredKnobs(clip_range=1.0, clip_range_high=None, clip_ratio_c=3.0, anchor="base")
+
+
+def test_ema_anchor_beside_a_kl_to_the_base(tiny_pixel_model, tmp_path):
+    """The trainer runs the EMA for the anchor and the frozen base for the KL: after the first optimizer steps the
+    EMA lags the weights, so the anchor gap is > 0, and the KL to the base is > 0."""
+    from mmrl.compose import load_config
+    from mmrl.trainer import Trainer
+
+    over = [f"model.path={tiny_pixel_model}", "algo.objective.name=awm_anchored", "sampler.kind=ode",
+            "algo.objective.kwargs={anchor: ema}", "algo.kl_reference=base", "model.reference=auto",
+            "algo.kl_coef=0.05", "algo.kl=flow_velocity", "train.ema_decay=0.9", "train.minibatches=2",
+            f"log.out_dir={tmp_path}", "log.tensorboard=false"]
+    tr = Trainer(load_config("configs/tiny/flow_smoke.yaml", over))
+    assert tr.objective.needs_ema_anchor
+    tr.step(0)
+    m = tr.step(1)
+    assert math.isfinite(m["train/loss"]) and m["train/awm_anchor_gap"] > 0 and m["train/kl"] > 0
+    with pytest.raises(ValueError, match="kwargs.anchor=ema anchors at the EMA"):
+        load_config("configs/tiny/flow_smoke.yaml", over + ["train.ema_decay=0"])

@@ -24,10 +24,13 @@ POLICY_LOSSES = Registry("policy loss")
 class LossContext:
     """What a policy loss with `needs_output = True` gets as its fifth argument: the policy's outputs of this pass
     (PolicyOutput: log-probs and statistics such as velocities), the reference policy's on the same actions (when
-    the loss sets `needs_reference = True`, or a KL is on; else None), and the rows' group ids [n]."""
+    the loss sets `needs_reference = True`, or a KL is on; else None), and the rows' group ids [n]; `anchor`: the
+    EMA of the trained weights' outputs on the same actions when the loss's knobs ask for them (`anchor = "ema"`,
+    beside a KL whose reference is the frozen base), else None."""
     out: Any
     ref: Any
     group_id: torch.Tensor
+    anchor: Any = None
 LOSS_AGG = Registry("loss aggregation")
 
 

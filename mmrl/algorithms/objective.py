@@ -49,6 +49,7 @@ class Batch:
     rows: Any                    # the Rollout of these rows (extras, is_offpolicy, action_mask)
     out: Any                     # PolicyOutput of this pass (log-probs with gradients, stats: velocities ...)
     ref: Any = None              # PolicyOutput of the reference on the same actions (when a term needs it)
+    anchor: Any = None           # PolicyOutput of the EMA weights on the same actions (when needs_ema_anchor)
 
 
 @dataclass
@@ -69,8 +70,12 @@ class PolicyLoss:
     def actions(self) -> str:
         return getattr(self.fn, "objective", "transitions")
 
+    @property
+    def needs_ema_anchor(self) -> bool:  # the loss anchors at the EMA weights while the KL's reference may be the base
+        return getattr(self.knobs, "anchor", "reference") == "ema"
+
     def __call__(self, loss, b: Batch):
-        ctx = (LossContext(b.out, b.ref, b.group_id),) if getattr(self.fn, "needs_output", False) else ()
+        ctx = (LossContext(b.out, b.ref, b.group_id, b.anchor),) if getattr(self.fn, "needs_output", False) else ()
         return self.fn(b.log_prob, b.old_log_prob, b.advantages, self.knobs, *ctx)
 
 
@@ -132,6 +137,10 @@ class Objective:
     @property
     def needs_whole_groups(self) -> bool:
         return any(getattr(t, "needs_whole_groups", False) for t in self.terms)
+
+    @property
+    def needs_ema_anchor(self) -> bool:
+        return any(getattr(t, "needs_ema_anchor", False) for t in self.terms)
 
     @property
     def actions(self) -> str:
