@@ -283,7 +283,9 @@ class Trainer:
             with torch.no_grad(), self.ema.swapped() if self.cfg.algo.kl_reference == "ema" else self.policy.reference(), \
                     self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
                 ref = self.policy.log_prob(rollout, idx, **kw)
-        if obj.needs_ema_anchor:  # a loss anchored at the EMA beside a KL to the base: a second forward without gradients
+        if obj.needs_ema_anchor and ref is not None and self.cfg.algo.kl_reference == "ema":
+            anchor = ref  # the KL's reference is the EMA too: one forward serves both
+        elif obj.needs_ema_anchor:  # an EMA anchor beside a KL to the base (or no KL): a forward without gradients
             with torch.no_grad(), self.ema.swapped(), self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
                 anchor = self.policy.log_prob(rollout, idx, **kw)
         with self.dist.autocast(self.cfg.train.mixed_precision, self.policy):

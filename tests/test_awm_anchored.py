@@ -104,7 +104,8 @@ def test_refuses_without_reference():
     ctx = SimpleNamespace(out=SimpleNamespace(stats={"velocity": v, "target": v.detach()}), ref=None,
                           group_id=torch.zeros(1))
     with pytest.raises(ValueError, match="reference"):
-        POLICY_LOSSES["awm_anchored"](torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor([-1.0]), AlgoConfig(), ctx)
+        POLICY_LOSSES["awm_anchored"](torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor([-1.0]),
+                                      AWMAnchoredKnobs(clip_range=1.0, clip_range_high=None, clip_ratio_c=3.0), ctx)
 
 
 def test_trains_with_the_ema_anchor(tiny_pixel_model, tmp_path):
@@ -159,3 +160,6 @@ def test_ema_anchor_beside_a_kl_to_the_base(tiny_pixel_model, tmp_path):
     assert math.isfinite(m["train/loss"]) and m["train/awm_anchor_gap"] > 0 and m["train/kl"] > 0
     with pytest.raises(ValueError, match="kwargs.anchor=ema anchors at the EMA"):
         load_config("configs/tiny/flow_smoke.yaml", over + ["train.ema_decay=0"])
+    # without a KL nothing reads the frozen base: no reference forward, no reference loaded
+    no_kl = load_config("configs/tiny/flow_smoke.yaml", over + ["algo.kl_coef=0"])
+    assert not Trainer(no_kl).objective.needs_reference

@@ -120,7 +120,7 @@ def test_ranks_that_drift_apart_are_caught(tiny_pixel_model, tmp_path):
 
 
 MATRIX = os.path.join(ROOT, "tests/workers/dist_matrix.py")
-FEATURES = "plain,micro,tree,tree_pruned,dynamic,refill,workers,pairwise,nft,awm,flash,ema_kl,lora,all_tree,all_chain"
+FEATURES = "plain,micro,tree,tree_pruned,dynamic,refill,workers,pairwise,nft,awm,flash,ema_kl,awm_ema_anchor,lora,all_tree,all_chain"
 
 
 def run_matrix(model, out, parallel, features=FEATURES, procs=2, *extra):
@@ -142,6 +142,7 @@ def test_every_feature_ends_where_one_process_ends(tiny_pixel_model, tmp_path):
     """Each feature set of tests/workers/dist_matrix.py (micro-batches, BranchGRPO trees with pruning, DAPO dynamic
     sampling with refill rounds of fewer groups than ranks (alone, and with reward overlap workers and
     micro-batches), reward overlap workers, Pref-GRPO pairwise rewards, NFT, AWM, MixGRPO-Flash, EMA + KL to the EMA,
+    anchored AWM with its EMA anchor beside a KL to the base,
     LoRA, and all of them at once) trains 2 iterations of 3 prompts x 4 samples (a rank holds 1 group, the other
     2): DDP and FSDP2 on 2 processes end with the single-process parameters (fp32; 1e-6 allows reduction order)."""
     run_matrix(tiny_pixel_model, tmp_path / "none", "none", procs=1)

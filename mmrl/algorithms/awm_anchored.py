@@ -52,7 +52,8 @@ from mmrl.errors import ConfigError
 class AWMAnchoredKnobs(PPOKnobs):
     """AWM's trust region (algo.clip_range ..., shared), the anchored negative branch's beta (NFT's, default 1) and
     its anchor: "reference" (the KL's reference, algo.kl_reference) or "ema" (the EMA of the trained weights, while
-    the KL's reference stays algo.kl_reference, e.g. the frozen base: one more forward without gradients a pass)."""
+    the KL's reference stays algo.kl_reference; beside a KL to the frozen base, one more forward without gradients a
+    pass; without a KL, no reference is loaded)."""
     nft_beta: float = 1.0
     anchor: str = "reference"
 
@@ -66,14 +67,16 @@ class AWMAnchoredKnobs(PPOKnobs):
 def awm_anchored(log_prob, old_log_prob, advantages, knobs: AWMAnchoredKnobs, ctx):
     """(loss [n, A], stats). log_prob = -l(v_theta) [n, A]; ctx.out.stats velocity / target [n, A, *D];
     ctx.ref.stats (or ctx.anchor.stats when knobs.anchor = "ema") velocity [n, A, *D]: the anchor."""
-    if ctx.ref is None:
+    anchor_out = ctx.anchor if knobs.anchor == "ema" else ctx.ref
+    if anchor_out is None:
         raise ConfigError("awm_anchored anchors its negative branch at the reference's velocity: set model.reference="
-                          "auto (the frozen base), or train.ema_decay > 0 with algo.kl_reference=ema")
+                          "auto (the frozen base), or train.ema_decay > 0 with algo.kl_reference=ema or "
+                          "kwargs.anchor=ema")
     adv = _per_action(advantages, log_prob)
     positive, stats = ppo_clip(log_prob, old_log_prob, adv.clamp(min=0), knobs)  # AWM's term; 0 where A <= 0
     s, beta = ctx.out.stats, knobs.nft_beta
     v, target = s["velocity"].float(), s["target"].float()
-    anchor = (ctx.anchor if knobs.anchor == "ema" else ctx.ref).stats["velocity"].detach().float().to(v.device)
+    anchor = anchor_out.stats["velocity"].detach().float().to(v.device)
     v_neg = (1 + beta) * anchor - beta * v
     l_neg = (v_neg - target.to(v.device)).pow(2).flatten(2).mean(-1)                # [n, A]
     negative = (-adv).clamp(min=0) * l_neg.to(log_prob.dtype) / beta

@@ -59,8 +59,8 @@ class PolicyLoss:
     knobs: Any  # an instance of fn.knobs (the loss's dataclass: NFTKnobs, PPOKnobs ...), or None
 
     @property
-    def needs_reference(self) -> bool:
-        return getattr(self.fn, "needs_reference", False)
+    def needs_reference(self) -> bool:  # a loss anchored at the EMA instead reads Batch.anchor
+        return getattr(self.fn, "needs_reference", False) and not self.needs_ema_anchor
 
     @property
     def needs_whole_groups(self) -> bool:
