@@ -278,16 +278,11 @@ class Trainer:
         add up to the gradient of the whole minibatch. `first`: no optimizer step yet this iteration. Returns (the
         part's loss, its statistics as PassStats.add_pass's arguments)."""
         kw, obj = ({} if actions is None else {"actions": actions}), self.objective
-        ref = anchor = None
-        if obj.needs_reference:  # before the forward with gradients (EMA: swapped in place; the policy's precision)
-            with torch.no_grad(), self.ema.swapped() if self.cfg.algo.kl_reference == "ema" else self.policy.reference(), \
-                    self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
-                ref = self.policy.log_prob(rollout, idx, **kw)
-        if obj.needs_ema_anchor and ref is not None and self.cfg.algo.kl_reference == "ema":
-            anchor = ref  # the KL's reference is the EMA too: one forward serves both
-        elif obj.needs_ema_anchor:  # an EMA anchor beside a KL to the base (or no KL): a forward without gradients
-            with torch.no_grad(), self.ema.swapped(), self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
-                anchor = self.policy.log_prob(rollout, idx, **kw)
+        ema_ref = self.cfg.algo.kl_reference == "ema"  # before the forward with gradients (EMA: swapped in place)
+        ref = self.frozen_forward(self.ema.swapped() if ema_ref else self.policy.reference(), rollout, idx, kw) \
+            if obj.needs_reference else None
+        anchor = None if not obj.needs_ema_anchor else ref if ema_ref and ref is not None else \
+            self.frozen_forward(self.ema.swapped(), rollout, idx, kw)  # an EMA anchor beside a KL to the base
         with self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
             out = self.policy.log_prob(rollout, idx, **kw)
         deferred = torch.isnan(rollout.old_log_prob[idx])
@@ -308,6 +303,10 @@ class Trainer:
         return loss.item(), (out, mb, s, part, first)
 
     # -------------------------------------------------------------------------------------------- helpers
+    def frozen_forward(self, weights, rollout, idx, kw):  # log-probs without gradients under `weights` (EMA, reference)
+        with torch.no_grad(), weights, self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
+            return self.policy.log_prob(rollout, idx, **kw)
+
     def ema_weights(self):  # the EMA weights in the policy while the context runs (evaluation, saving), if any
         return self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
 
