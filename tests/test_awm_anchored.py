@@ -122,7 +122,9 @@ def test_trains_with_the_ema_anchor(tiny_pixel_model, tmp_path):
     with pytest.raises(ValueError, match="reference"):
         load_config("configs/tiny/flow_smoke.yaml", over + ["train.ema_decay=0"])
     cfg = load_config("configs/t2i/shapes_awm_anchored.yaml", [])
-    assert cfg.algo.objective.name == "awm_anchored" and cfg.algo.clip_range == 1e-3 and cfg.train.ema_decay == 0.9
+    assert cfg.algo.objective.name == "awm_anchored" and cfg.algo.clip_range == 1e-3 and cfg.train.ema_decay == 0.97
+    assert cfg.algo.objective.kwargs["anchor"] == "ema" and cfg.algo.kl_reference == "base"
+    assert cfg.algo.kl == "flow_velocity" and cfg.algo.kl_coef == 0.25
 
 
 def test_ema_anchor_is_read_instead_of_the_reference():

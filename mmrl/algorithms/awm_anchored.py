@@ -12,11 +12,12 @@ DiffusionNFT's implicit negative policy around an anchor velocity v_a, fitted to
     A > 0:   L = -min(r A, clip(r, 1 - eps, 1 + eps) A),   r = exp(l_old - l(v_theta))       (AWM, unchanged)
     A <= 0:  L = |A| l(v-) / beta,   v- = (1 + beta) v_a - beta v_theta                      (the anchored negative)
 
-with v_a = sg(v_ref(x_t, t)), the reference policy's velocity at the same x_t (`needs_reference`; the shipped
-config, configs/t2i/shapes_awm_anchored.yaml, makes the reference the EMA of the trained weights: algo.kl_reference
-= ema, train.ema_decay = 0.9 per optimizer step, as the earlier awm_ema_kl arm; model.reference=auto anchors it at
-the frozen base instead; kwargs.anchor=ema takes the EMA as the anchor whatever the KL's reference, so a KL to the
-frozen base and an EMA anchor go together), beta = knobs.nft_beta (algo.objective.kwargs.nft_beta; 1, NFT's setting).
+with v_a = sg(v_ref(x_t, t)), the reference policy's velocity at the same x_t (`needs_reference`; with
+algo.kl_reference=ema and train.ema_decay > 0 the reference is the EMA of the trained weights, with
+model.reference=auto the frozen base; kwargs.anchor=ema takes the EMA as the anchor whatever the KL's reference, so
+a KL to the frozen base and an EMA anchor go together, as in the shipped config, configs/t2i/shapes_awm_anchored.yaml:
+EMA decay 0.97 per optimizer step, velocity KL 0.25 to the base), beta = knobs.nft_beta (algo.objective.kwargs.nft_beta;
+1, NFT's setting).
 
 Why this form. d l(v-)/d v_theta = -beta (2/D) (v- - target), so the negative term's gradient is
 
