@@ -281,8 +281,8 @@ class Trainer:
         ema_ref = self.cfg.algo.kl_reference == "ema"  # before the forward with gradients (EMA: swapped in place)
         ref = self.frozen_forward(self.ema.swapped() if ema_ref else self.policy.reference(), rollout, idx, kw) \
             if obj.needs_reference else None
-        anchor = None if not obj.needs_ema_anchor else ref if ema_ref and ref is not None else \
-            self.frozen_forward(self.ema.swapped(), rollout, idx, kw)  # an EMA anchor beside a KL to the base
+        shared = ema_ref and ref is not None  # an EMA anchor reuses the KL's forward when its reference is the EMA too
+        anchor = (ref if shared else self.frozen_forward(self.ema.swapped(), rollout, idx, kw)) if obj.needs_ema_anchor else None
         with self.dist.autocast(self.cfg.train.mixed_precision, self.policy):
             out = self.policy.log_prob(rollout, idx, **kw)
         deferred = torch.isnan(rollout.old_log_prob[idx])
