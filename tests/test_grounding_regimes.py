@@ -293,7 +293,7 @@ def test_difficulty_filter_on_a_stub(ood_world, tmp_path):
 # ------------------------------------------------------------------ the driver
 def test_driver_help_and_arms():
     r = subprocess.run([sys.executable, "scripts/grounding_regimes.py", "--help"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0 and "usage" in r.stdout and "--regime" in r.stdout
     regimes = script("grounding_regimes")
 
