@@ -61,15 +61,20 @@ def _child(spec: dict) -> dict:
 
 
 def measure(config: str, overrides: list[str], threads: int = 1, grads: str | None = None,
-            resample_whole: bool = False) -> dict:
-    """Peak MiB added by sampling one rollout and by one training pass over it (one minibatch), in a new process."""
+            resample_whole: bool = False, repeats: int = 1) -> dict:
+    """Peak MiB added by sampling one rollout and by one training pass over it (one minibatch), in a new process;
+    with repeats > 1, each peak is the smallest over that many new processes: what a process's allocator keeps
+    beyond the live tensors varies from one process to the next and only adds."""
     spec = {"config": config, "overrides": overrides, "threads": threads, "grads": grads,
             "resample_whole": resample_whole}
-    out = subprocess.run([sys.executable, "-m", "mmrl.testing.memory", json.dumps(spec)], capture_output=True,
-                         text=True)
-    if out.returncode:
-        raise RuntimeError(f"memory measurement failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    runs = []
+    for _ in range(repeats):
+        out = subprocess.run([sys.executable, "-m", "mmrl.testing.memory", json.dumps(spec)], capture_output=True,
+                             text=True)
+        if out.returncode:
+            raise RuntimeError(f"memory measurement failed:\n{out.stderr[-3000:]}")
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return {**runs[0], **{k: min(r[k] for r in runs) for k in ("sample_peak_mib", "train_peak_mib")}}
 
 
 if __name__ == "__main__":
