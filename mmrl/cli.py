@@ -1,6 +1,6 @@
 """The command line:
     mmrl train CONFIG [--resume | --overwrite] [--json] [k=v ...]   train (mmrl/runs.py, mmrl/trainer.py)
-    mmrl eval CONFIG [RUN|CHECKPOINT ...] [key=value ...]        the config's held-out benchmark (mmrl/eval.py)
+    mmrl eval CONFIG [RUN|CHECKPOINT ...] [--draws K] [k=v ...]  the config's held-out benchmark (mmrl/eval.py)
     mmrl sample CONFIG [RUN|CHECKPOINT ...] [--prompts ...]      images / videos and a contact sheet (mmrl/sample.py)
     mmrl validate CONFIG [k=v ...] [--nproc N] [--resume|--overwrite]  train's checks, no weights (mmrl/preflight.py)
     mmrl plan CONFIG [--world N] [--cp D] [key=value ...]        memory and FLOPs per GPU at real size (mmrl/plan.py)
@@ -45,6 +45,9 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=None, help="example i uses seed SEED + i (default: the trainer's "
                                                            "evaluation seed, so the figures match a run's eval/)")
     ev.add_argument("--no-base", action="store_true", help="skip the config's base model")
+    ev.add_argument("--draws", type=int, default=1, metavar="K",
+                    help="score each model K times, noise seeds SEED ... SEED+K-1, and report the mean and each "
+                         "draw (generators; a greedy token policy's draws are identical)")
     from mmrl.sample import add_parser as add_sample
 
     add_sample(sub)

@@ -9,7 +9,13 @@ constant answer for grounding). A CHECKPOINT is a run folder (runs/NAME: its new
 checkpoint (runs/NAME/checkpoints/iter-N), its policy/ folder, or a model folder (then it replaces model.path).
 
 Prints a table (one row per model; the reward's keys as columns, then per category) and one JSON object on
-the last line: {"task", "n", "seed", "results": {name: {key: mean, ..., "per_category": {...}}}}.
+the last line: {"task", "n", "seed", "draws", "results": {name: {key: mean, ..., "per_category": {...}}}}.
+
+One evaluation of a generator is one noise draw per example: a checkpoint's figure moves between draws by more
+than its standard error over examples suggests (shapes: up to 5 points of strict accuracy between noise seeds).
+`--draws K` scores each model under seeds SEED, SEED + 1, ... SEED + K - 1 and reports the mean, with each
+draw's figure beside it ("draws" in the JSON, the last column of the table), so a peak or a turn can be told from
+the draw. Token policies answer greedily: their draws are identical.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import time
 
 from mmrl import compose
 from mmrl.config import sample_chunk
-from mmrl.evaluation import EVAL_SEED, NOT_METRICS, evaluate_outputs
+from mmrl.errors import UserError
+from mmrl.evaluation import EVAL_SEED, NOT_METRICS, evaluate_outputs, merge_draws
 from mmrl.reward import RewardRunner
 
 
@@ -33,8 +40,11 @@ def policy_folder(checkpoint: str) -> str | None:
 
 
 def evaluate_checkpoints(cfg, checkpoints: list[str], seed: int = EVAL_SEED, base: bool = True,
-                         progress: bool = True) -> dict:
-    """{name: metrics} for the base model, each checkpoint and the task's baselines (see the module docstring)."""
+                         progress: bool = True, draws: int = 1) -> dict:
+    """{name: metrics} for the base model, each checkpoint and the task's baselines (see the module docstring).
+    draws > 1 scores each model under noise seeds seed, seed + 1, ... (mmrl.evaluation.merge_draws)."""
+    if draws < 1:
+        raise UserError(f"--draws {draws}: score each model at least once (--draws 1 or more)")
     folders = [policy_folder(ck) for ck in checkpoints]  # a missing checkpoint fails before anything is loaded
     task = compose.build_task(cfg.task)
     name = cfg.reward.eval_name or cfg.reward.name
@@ -45,7 +55,8 @@ def evaluate_checkpoints(cfg, checkpoints: list[str], seed: int = EVAL_SEED, bas
 
     def score(label: str, policy) -> None:
         t0 = time.time()
-        res = evaluate_outputs(policy.evaluate, examples, lambda o, e: runner(o, e)[0], seed=seed, progress=progress)
+        res = merge_draws([evaluate_outputs(policy.evaluate, examples, lambda o, e: runner(o, e)[0], seed=seed + k,
+                                            progress=progress) for k in range(draws)])
         res["seconds"] = round(time.time() - t0, 1)
         results[label] = res
 
@@ -72,11 +83,13 @@ def format_table(results: dict[str, dict]) -> str:
     keys += sorted({k for r in results.values() for k in r if k not in keys and k not in NOT_METRICS})
     cats = sorted({c for r in results.values() for c in r.get("per_category", {})})
     head = keys[0] if keys else "overall"
-    cols = keys + [f"{c}:{head}" for c in cats] + ["n"]
+    per_draw = any("draws" in r for r in results.values())
+    cols = keys + [f"{c}:{head}" for c in cats] + ["n"] + ([f"{head} per draw"] if per_draw else [])
     width = max(len(m) for m in results) + 2
     lines = ["model".ljust(width) + " ".join(c.rjust(max(8, len(c))) for c in cols)]
     for model, r in results.items():
         vals = [r.get(k) for k in keys] + [r.get("per_category", {}).get(c, {}).get(head) for c in cats] + [r.get("n")]
+        vals += [r.get("draws", {}).get(head)] if per_draw else []
         lines.append(model.ljust(width) + " ".join(_fmt(v).rjust(max(8, len(c))) for c, v in zip(cols, vals)))
     return "\n".join(lines)
 
@@ -86,13 +99,13 @@ def _fmt(v) -> str:
         return "-"
     if isinstance(v, float):
         return f"{v:.4f}"
-    return str(v) if not isinstance(v, list) else ",".join(f"{x:g}" for x in v)
+    return str(v) if not isinstance(v, list) else ",".join(f"{x:.4f}" for x in v)
 
 
 def eval_main(args, cfg) -> int:
-    """args: checkpoints, seed, no_base (mmrl/cli.py); cfg: the loaded config."""
-    results = evaluate_checkpoints(cfg, args.checkpoints, args.seed, not args.no_base, cfg.log.progress)
+    """args: checkpoints, seed, no_base, draws (mmrl/cli.py); cfg: the loaded config."""
+    results = evaluate_checkpoints(cfg, args.checkpoints, args.seed, not args.no_base, cfg.log.progress, args.draws)
     print(format_table(results))
     n = next((r["n"] for r in results.values() if "n" in r), 0)
-    print(json.dumps({"task": cfg.task.name, "n": n, "seed": args.seed, "results": results}))
+    print(json.dumps({"task": cfg.task.name, "n": n, "seed": args.seed, "draws": args.draws, "results": results}))
     return 0

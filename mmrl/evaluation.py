@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 EVAL_SEED = 10_000  # held-out example i is generated with seed EVAL_SEED + i (trainer and `mmrl eval` alike)
 PROGRESS_S = 15.0  # without a bar (a log file), a progress line at least this often (the first one at once)
-NOT_METRICS = ("per_category", "n", "se", "scores", "seconds")  # result keys that are not a reward key's mean
+NOT_METRICS = ("per_category", "n", "se", "scores", "seconds", "draws")  # result keys that are not a reward key's mean
 
 
 @torch.no_grad()
@@ -72,6 +72,26 @@ def evaluate_outputs(generate: Callable[[list[dict], int], object], examples: li
     out["se"] = {k: round(standard_error(v), 4) for k, v in per.items()}
     out["scores"] = dict(per)
     out["per_category"] = {c: means(d) for c, d in sums.items()}
+    return out
+
+
+def merge_draws(draws: list[dict]) -> dict:
+    """One result from K evaluate_outputs results of the same examples under different noise seeds (draws):
+    every mean is the mean over draws (per category too), "scores" the per-example mean over draws, "se" the
+    standard error over examples of those, and "draws" {key: [each draw's mean]}, so the spread between noise
+    draws of one checkpoint is on record beside the figure."""
+    if len(draws) == 1:
+        return draws[0]
+    first = draws[0]
+    keys = [k for k in first if k not in NOT_METRICS]
+    out: dict = {k: round(sum(d[k] for d in draws) / len(draws), 4) for k in keys}
+    out["n"] = first["n"]
+    scores = {k: [round(sum(vs) / len(vs), 4) for vs in zip(*(d["scores"][k] for d in draws))] for k in first["scores"]}
+    out["se"] = {k: round(standard_error(v), 4) for k, v in scores.items()}
+    out["scores"] = scores
+    out["per_category"] = {c: {k: (v if k == "n" else round(sum(d["per_category"][c][k] for d in draws) / len(draws), 4))
+                               for k, v in m.items()} for c, m in first["per_category"].items()}
+    out["draws"] = {k: [d[k] for d in draws] for k in keys}
     return out
 
 

@@ -63,6 +63,16 @@ def test_smoke_train_and_resume_bit_identical(tiny_pixel_model, tmp_path):
     ev = json.loads(r.stdout.strip().splitlines()[-1])
     assert list(ev["results"]) == [f"base ({common[1].split('=', 1)[1]})", ck] and "strict" in r.stdout.splitlines()[0]
     assert ev["results"][ck]["strict"] == res["eval_end"]["strict"] and ev["n"] == res["eval_end"]["n"]
+    # --draws 2: the draws are the evaluations at seeds 10000 and 10001, and their mean
+    r2 = mmrl("eval", "configs/tiny/flow_smoke.yaml", f"model.path={common[1].split('=', 1)[1]}", ck, "--draws", "2",
+              "--no-base")
+    r3 = mmrl("eval", "configs/tiny/flow_smoke.yaml", f"model.path={common[1].split('=', 1)[1]}", ck, "--seed",
+              "10001", "--no-base")
+    assert r2.returncode == 0 and r3.returncode == 0, (r2.stderr + r3.stderr)[-3000:]
+    two = json.loads(r2.stdout.strip().splitlines()[-1])["results"][ck]
+    other = json.loads(r3.stdout.strip().splitlines()[-1])["results"][ck]["overall"]
+    assert two["draws"]["overall"] == [res["eval_end"]["overall"], other] and "overall per draw" in r2.stdout
+    assert two["overall"] == pytest.approx((res["eval_end"]["overall"] + other) / 2, abs=1e-4)
 
 
 def test_cli_config_error_is_clear(tmp_path):
