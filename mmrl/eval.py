@@ -27,7 +27,7 @@ import time
 from mmrl import compose
 from mmrl.config import sample_chunk
 from mmrl.errors import UserError
-from mmrl.evaluation import EVAL_SEED, NOT_METRICS, evaluate_outputs, merge_draws
+from mmrl.evaluation import EVAL_SEED, NOT_METRICS, evaluate_outputs
 from mmrl.reward import RewardRunner
 
 
@@ -42,7 +42,7 @@ def policy_folder(checkpoint: str) -> str | None:
 def evaluate_checkpoints(cfg, checkpoints: list[str], seed: int = EVAL_SEED, base: bool = True,
                          progress: bool = True, draws: int = 1) -> dict:
     """{name: metrics} for the base model, each checkpoint and the task's baselines (see the module docstring).
-    draws > 1 scores each model under noise seeds seed, seed + 1, ... (mmrl.evaluation.merge_draws)."""
+    draws > 1 scores each model under noise seeds seed, seed + 1, ... (mmrl.evaluation.evaluate_outputs)."""
     if draws < 1:
         raise UserError(f"--draws {draws}: score each model at least once (--draws 1 or more)")
     folders = [policy_folder(ck) for ck in checkpoints]  # a missing checkpoint fails before anything is loaded
@@ -55,8 +55,8 @@ def evaluate_checkpoints(cfg, checkpoints: list[str], seed: int = EVAL_SEED, bas
 
     def score(label: str, policy) -> None:
         t0 = time.time()
-        res = merge_draws([evaluate_outputs(policy.evaluate, examples, lambda o, e: runner(o, e)[0], seed=seed + k,
-                                            progress=progress) for k in range(draws)])
+        res = evaluate_outputs(policy.evaluate, examples, lambda o, e: runner(o, e)[0], seed=seed, progress=progress,
+                               draws=draws)
         res["seconds"] = round(time.time() - t0, 1)
         results[label] = res
 
@@ -99,7 +99,7 @@ def _fmt(v) -> str:
         return "-"
     if isinstance(v, float):
         return f"{v:.4f}"
-    return str(v) if not isinstance(v, list) else ",".join(f"{x:.4f}" for x in v)
+    return str(v) if not isinstance(v, list) else ",".join(f"{x:g}" for x in v)
 
 
 def eval_main(args, cfg) -> int:

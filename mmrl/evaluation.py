@@ -22,7 +22,8 @@ NOT_METRICS = ("per_category", "n", "se", "scores", "seconds", "draws")  # resul
 
 @torch.no_grad()
 def evaluate_outputs(generate: Callable[[list[dict], int], object], examples: list[dict], reward: Callable,
-                     seed: int = 0, batch_size: int = 64, progress: bool | None = True, dist=None) -> dict:
+                     seed: int = 0, batch_size: int = 64, progress: bool | None = True, dist=None,
+                     draws: int = 1) -> dict:
     """generate(examples_chunk, first_seed) -> outputs; example i uses seed `seed + i` (batch-size invariant).
     batch_size examples are generated and scored per call (the policy's own micro-batching applies within).
 
@@ -37,23 +38,28 @@ def evaluate_outputs(generate: Callable[[list[dict], int], object], examples: li
     [per-example value, in example order]}, "per_category": {cat: {key: mean, ..., "n": int}}} for every key the
     reward returns ("overall", "strict", ...); categories come from example["category"] when present. "scores"
     lets two evaluations of the same examples and seeds be compared pair by pair (mmrl/report.py: the verdict).
+
+    draws > 1 evaluates the examples again under seeds seed + 1, ... seed + draws - 1 (other noise draws of a
+    generator): each example's value is its mean over draws, and "draws" {key: [each draw's mean]} is added.
     """
     world = dist.data_world if dist is not None else 1  # the ranks of a cp group evaluate the same share
     share = dist.share(len(examples)) if world > 1 else range(len(examples))
     width = -(-len(examples) // world)
     mine = list(share) + [share.stop - 1 if len(share) else 0] * (width - len(share))   # example indices
-    scores = []  # (example index, {key: value}) of this rank's real examples
-    with Heartbeat(len(examples), world, enabled=progress is False) as beat:
-        for i in tqdm(range(0, len(mine), batch_size), desc="eval", disable=not progress):
-            idx = mine[i:i + batch_size]
-            chunk = [examples[j] for j in idx]
-            r = reward(generate(chunk, seed + idx[0]), chunk)
-            scores += [(j, {k: float(v[c]) for k, v in r.items()}) for c, j in enumerate(idx) if i + c < len(share)]
-            beat.done = i + len(idx)
-    if world > 1:
-        scores = dist.gather_list(scores)
+    runs = []  # per draw: [(example index, {key: value})] in example order
+    for draw in range(draws):
+        scores = []  # (example index, {key: value}) of this rank's real examples
+        with Heartbeat(len(examples), world, enabled=progress is False) as beat:
+            for i in tqdm(range(0, len(mine), batch_size), desc="eval", disable=not progress):
+                idx = mine[i:i + batch_size]
+                chunk = [examples[j] for j in idx]
+                r = reward(generate(chunk, seed + draw + idx[0]), chunk)
+                scores += [(j, {k: float(v[c]) for k, v in r.items()}) for c, j in enumerate(idx) if i + c < len(share)]
+                beat.done = i + len(idx)
+        runs.append(sorted(dist.gather_list(scores) if world > 1 else scores, key=lambda x: x[0]))
+    scores = [(j, {k: sum(run[e][1][k] for run in runs) / draws for k in r}) for e, (j, r) in enumerate(runs[0])]
     sums: dict = defaultdict(lambda: defaultdict(float))
-    for j, r in sorted(scores, key=lambda x: x[0]):
+    for j, r in scores:  # in example order
         for cat in ("all", examples[j].get("category")):
             if cat is None:
                 continue
@@ -66,32 +72,14 @@ def evaluate_outputs(generate: Callable[[list[dict], int], object], examples: li
 
     out = means(sums.pop("all")) if "all" in sums else {"n": 0}
     per = defaultdict(list)  # key -> [value of example 0, 1, ...]
-    for _, r in sorted(scores, key=lambda x: x[0]):
+    for _, r in scores:
         for k, v in r.items():
             per[k].append(round(v, 4))
     out["se"] = {k: round(standard_error(v), 4) for k, v in per.items()}
     out["scores"] = dict(per)
     out["per_category"] = {c: means(d) for c, d in sums.items()}
-    return out
-
-
-def merge_draws(draws: list[dict]) -> dict:
-    """One result from K evaluate_outputs results of the same examples under different noise seeds (draws):
-    every mean is the mean over draws (per category too), "scores" the per-example mean over draws, "se" the
-    standard error over examples of those, and "draws" {key: [each draw's mean]}, so the spread between noise
-    draws of one checkpoint is on record beside the figure."""
-    if len(draws) == 1:
-        return draws[0]
-    first = draws[0]
-    keys = [k for k in first if k not in NOT_METRICS]
-    out: dict = {k: round(sum(d[k] for d in draws) / len(draws), 4) for k in keys}
-    out["n"] = first["n"]
-    scores = {k: [round(sum(vs) / len(vs), 4) for vs in zip(*(d["scores"][k] for d in draws))] for k in first["scores"]}
-    out["se"] = {k: round(standard_error(v), 4) for k, v in scores.items()}
-    out["scores"] = scores
-    out["per_category"] = {c: {k: (v if k == "n" else round(sum(d["per_category"][c][k] for d in draws) / len(draws), 4))
-                               for k, v in m.items()} for c, m in first["per_category"].items()}
-    out["draws"] = {k: [d[k] for d in draws] for k in keys}
+    if draws > 1:
+        out["draws"] = {k: [round(sum(r[k] for _, r in run) / len(run), 4) for run in runs] for k in per}
     return out
 
 

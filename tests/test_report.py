@@ -11,7 +11,7 @@ import pytest
 
 from mmrl import evaluation
 from mmrl.config import Config
-from mmrl.evaluation import evaluate_outputs, merge_draws, standard_error
+from mmrl.evaluation import evaluate_outputs, standard_error
 from mmrl.report import emit, eval_line, format_table, summary, verdict
 
 
@@ -137,12 +137,12 @@ def test_noise_draws_merge_by_hand():
     generate = lambda chunk, s: torch.arange(s, s + len(chunk), dtype=torch.float32)  # noqa: E731
     reward = lambda out, chunk: {"overall": (out % 3 == 0).float()}  # noqa: E731
     # seeds 0-3: 1, 0, 0, 1; 1-4: 0, 0, 1, 0; 2-5: 0, 1, 0, 0
-    draws = [evaluate_outputs(generate, examples, reward, seed=k, progress=None) for k in range(3)]
-    res = merge_draws(draws)
+    res = evaluate_outputs(generate, examples, reward, seed=0, progress=None, draws=3)
     assert res["draws"] == {"overall": [0.5, 0.25, 0.25]}
     assert res["overall"] == pytest.approx(1 / 3, abs=1e-4) and res["n"] == 4
     assert res["scores"]["overall"] == pytest.approx([1 / 3] * 4, abs=1e-4) and res["se"]["overall"] == 0.0
     # a (examples 0, 2): 0.5, 0.5, 0; b (1, 3): 0.5, 0, 0.5
     assert res["per_category"]["a"] == pytest.approx({"n": 2, "overall": 1 / 3}, abs=1e-4)
     assert res["per_category"]["b"] == pytest.approx({"n": 2, "overall": 1 / 3}, abs=1e-4)
-    assert merge_draws(draws[:1]) is draws[0]  # one draw: the evaluation itself
+    one = evaluate_outputs(generate, examples, reward, seed=0, progress=None)  # one draw: the evaluation itself
+    assert "draws" not in one and one == evaluate_outputs(generate, examples, reward, seed=0, progress=None, draws=1)
