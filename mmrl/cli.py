@@ -45,9 +45,9 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=None, help="example i uses seed SEED + i (default: the trainer's "
                                                            "evaluation seed, so the figures match a run's eval/)")
     ev.add_argument("--no-base", action="store_true", help="skip the config's base model")
-    ev.add_argument("--draws", type=int, default=1, metavar="K",
+    ev.add_argument("--draws", type=int, default=None, metavar="K",
                     help="score each model K times, noise seeds SEED ... SEED+K-1, and report the mean and each "
-                         "draw (generators; a greedy token policy's draws are identical)")
+                         "draw (default: the config's log.eval_draws, 1; a greedy token policy's draws are identical)")
     from mmrl.sample import add_parser as add_sample
 
     add_sample(sub)

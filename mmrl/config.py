@@ -243,6 +243,8 @@ class LogConfig:
     keep_checkpoints: int = 2     # newest checkpoints kept; older ones are deleted after a successful save
     eval_every: int = 0           # iterations between held-out evals (0 = at start and end only)
     eval_at_start: bool = True
+    eval_draws: int = 1           # noise draws per held-out evaluation (seeds 10000 ... 10000+K-1): each example
+                                  # scores its mean over them, and "draws" lists each draw's mean (mmrl eval --draws)
     progress: bool = True
 
 
@@ -271,6 +273,8 @@ class Config:
         self._validate_algo()
         self._validate_sampler()
         self._validate_tree()
+        if self.log.eval_draws < 1:
+            raise ConfigError(f"log.eval_draws={self.log.eval_draws}: evaluate each example at least once (1 or more)")
         if self.task.name == "prompt_file" and not self.task.prompt_file and not self.task.kwargs.get("dataset"):
             raise ConfigError("task.name=prompt_file needs task.prompt_file=PATH (.txt one prompt per line, .jsonl / .csv "
                               "with a prompt field) or task.kwargs.dataset=NAME_OR_FOLDER (Hugging Face datasets)")

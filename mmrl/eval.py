@@ -15,7 +15,8 @@ One evaluation of a generator is one noise draw per example: a checkpoint's figu
 than its standard error over examples suggests (shapes: up to 5 points of strict accuracy between noise seeds).
 `--draws K` scores each model under seeds SEED, SEED + 1, ... SEED + K - 1 and reports the mean, with each
 draw's figure beside it ("draws" in the JSON, the last column of the table), so a peak or a turn can be told from
-the draw. Token policies answer greedily: their draws are identical.
+the draw. Without `--draws` the config's `log.eval_draws` is used, the draws the trainer's own evaluations take.
+Token policies answer greedily: their draws are identical.
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ def _fmt(v) -> str:
 
 def eval_main(args, cfg) -> int:
     """args: checkpoints, seed, no_base, draws (mmrl/cli.py); cfg: the loaded config."""
-    results = evaluate_checkpoints(cfg, args.checkpoints, args.seed, not args.no_base, cfg.log.progress, args.draws)
+    draws = cfg.log.eval_draws if args.draws is None else args.draws
+    results = evaluate_checkpoints(cfg, args.checkpoints, args.seed, not args.no_base, cfg.log.progress, draws)
     print(format_table(results))
     n = next((r["n"] for r in results.values() if "n" in r), 0)
-    print(json.dumps({"task": cfg.task.name, "n": n, "seed": args.seed, "draws": args.draws, "results": results}))
+    print(json.dumps({"task": cfg.task.name, "n": n, "seed": args.seed, "draws": draws, "results": results}))
     return 0

@@ -326,7 +326,7 @@ class Trainer:
             with self.ema_weights():
                 res = evaluate_outputs(self.policy.evaluate, self.task.eval_examples(),
                                        lambda o, e: self.eval_reward(o, e)[0], seed=EVAL_SEED,
-                                       batch_size=sample_chunk(self.cfg.train) or 64,
+                                       batch_size=sample_chunk(self.cfg.train) or 64, draws=self.cfg.log.eval_draws,
                                        progress=self.cfg.log.progress if self.dist.main else None, dist=self.dist)
         finally:
             self.eval_reward.on_error = on_error

@@ -25,16 +25,17 @@ def final_params(out_dir):
     return read_trainer_state(os.path.join(out_dir, "checkpoints", ck))  # whole tensors from the DCP shards
 
 
-def full_and_resumed(common, tmp_path):
-    """Train 3 iterations straight, and 2 then --resume to 3. Returns (stdout and out_dir of the straight run,
-    the final trainer states of the straight and the resumed run)."""
+def full_and_resumed(common, tmp_path, part_only=()):
+    """Train 3 iterations straight, and 2 then --resume to 3 (with the overrides part_only, which must not change
+    training). Returns (stdout and out_dir of the straight run, the final trainer states of the straight and the
+    resumed run)."""
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     r = mmrl("train", *common, "train.iterations=3", f"log.out_dir={full}", "--json")  # JSON on stdout
     assert r.returncode == 0, r.stderr[-3000:]
-    rp = mmrl("train", *common, "train.iterations=2", f"log.out_dir={part}")  # the table for people
+    rp = mmrl("train", *common, *part_only, "train.iterations=2", f"log.out_dir={part}")  # the table for people
     assert rp.returncode == 0 and "verdict: " in rp.stdout and f"checkpoints: {part}/checkpoints" in rp.stdout
     assert not rp.stdout.lstrip().startswith("{")
-    r2 = mmrl("train", *common, "train.iterations=3", f"log.out_dir={part}", "--resume")
+    r2 = mmrl("train", *common, *part_only, "train.iterations=3", f"log.out_dir={part}", "--resume")
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert "resumed from" in r2.stderr
     a, b = final_params(full), final_params(part)
@@ -45,7 +46,8 @@ def full_and_resumed(common, tmp_path):
 def test_smoke_train_and_resume_bit_identical(tiny_pixel_model, tmp_path):
     common = ["configs/tiny/flow_smoke.yaml", f"model.path={tiny_pixel_model}", "train.ema_decay=0.9",
               "train.lr_warmup=2", "train.lr_cooldown=0.5", "train.lr=1e-4"]
-    stdout, full, a, b = full_and_resumed(common, tmp_path)
+    # the resumed run evaluates on 2 noise draws (log.eval_draws): its weights still end where the straight run's do
+    stdout, full, a, b = full_and_resumed(common, tmp_path, part_only=["log.eval_draws=2"])
     res = json.loads(stdout.strip().splitlines()[-1])
     assert res["iterations"] == 3 and 0.0 <= res["eval_end"]["strict"] <= 1.0
     lines = [json.loads(ln) for ln in open(os.path.join(full, "metrics.jsonl"))]
@@ -73,6 +75,9 @@ def test_smoke_train_and_resume_bit_identical(tiny_pixel_model, tmp_path):
     other = json.loads(r3.stdout.strip().splitlines()[-1])["results"][ck]["overall"]
     assert two["draws"]["overall"] == [res["eval_end"]["overall"], other] and "overall per draw" in r2.stdout
     assert two["overall"] == pytest.approx((res["eval_end"]["overall"] + other) / 2, abs=1e-4)
+    # the trainer's own evaluation with log.eval_draws=2 is the same two draws
+    trained = json.load(open(tmp_path / "part" / "results.json"))["eval_end"]
+    assert trained["draws"]["overall"] == two["draws"]["overall"] and trained["overall"] == two["overall"]
 
 
 def test_cli_config_error_is_clear(tmp_path):

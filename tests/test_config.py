@@ -51,6 +51,7 @@ def test_overrides_and_types():
     ("train.minibatches=5", r"must divide prompts_per_iter \* group_size = 64"),
     ("sampler.sde_window_size=10", r"sde_window_size must be in \[0, num_steps - 1 = 9\]"),
     ("task.name=prompt_file", r"needs task.prompt_file=PATH"),
+    ("log.eval_draws=0", r"log.eval_draws=0: evaluate each example at least once"),
     ("trainlr", r"must look like section.key=value"),
     ("train.iterations=ten", r"'train.iterations' expects int, got 'ten'"),
     # containers are checked from the type hints: a string is not a list of strings
