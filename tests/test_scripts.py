@@ -22,7 +22,8 @@ def run(*args):
                                     "scripts/bench_pairwise.py", "benchmarks/bench_reward_server.py",
                                     "benchmarks/bench_memory.py", "scripts/gpu_check.py", "scripts/compare_flow_rl.py",
                                     "scripts/bench_text_length.py", "scripts/bench_judges.py",
-                                    "scripts/bench_vlm_rewards.py", "scripts/geneval_agreement.py"])
+                                    "scripts/bench_vlm_rewards.py", "scripts/geneval_agreement.py",
+                                    "scripts/turn_rule_noise.py"])
 def test_help(script):
     r = run(script, "--help")
     assert r.returncode == 0 and "usage" in r.stdout
@@ -212,3 +213,20 @@ def test_reward_benchmarks_quick(script):
     assert r.returncode == 0, r.stderr[-2000:]
     assert isinstance(json.loads(r.stdout.strip().splitlines()[-1]), dict)
 
+
+def test_turn_rule_noise_by_hand():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("turn_rule_noise", os.path.join(ROOT, "scripts/turn_rule_noise.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    # two evaluations: the other minus the last is N(0, 2 sigma^2), so P = 1 - Phi(3 / (2 sqrt 2)) = 1 - Phi(1.0607)
+    assert mod.p_fail(2, 3.0, 2.0) == pytest.approx(0.14443, abs=1e-4)
+    assert mod.p_fail(3, 0.0, 1.0) == pytest.approx(2 / 3, abs=1e-6)  # margin 0: fails unless the last is the max
+    assert mod.p_fail(1, 3.0, 2.0) == 0.0
+    # groups (1, 3) and (2, 4, 6): squares about the means 2 + 8 over 1 + 2 degrees of freedom
+    assert mod.pooled_sd([[1, 3], [2, 4, 6]]) == pytest.approx((10 / 3) ** 0.5)
+    r = run("scripts/turn_rule_noise.py", "--scores", "1,3;2,4,6", "--plateau", "2", "--draws", "1", "4")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 0 and out["sigma"] == pytest.approx((10 / 3) ** 0.5, abs=1e-4)
+    assert [row["draws"] for row in out["rows"]] == [1, 4] and out["rows"][1]["p_seed"] < out["rows"][0]["p_seed"]
