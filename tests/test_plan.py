@@ -136,6 +136,7 @@ def test_frozen_parts_at_real_size():
     assert sd3["text_encoder_params"] == pytest.approx(5.58e9, rel=0.01) and sd3["vae_params"] == pytest.approx(84e6, rel=0.01)
 
 
+@pytest.mark.slow  # ~25 s, three measured processes; the flow, token and VAE-decode estimates are measured in the default run
 def test_wan_estimate_within_25_percent_of_measured(tmp_path):
     """The motion world's pixel Wan transformer (8-frame 16 x 16 clips): 24 transitions per training forward."""
     items = ["train.prompts_per_iter=4", "train.group_size=8", "train.micro_batch=24", "train.minibatches=1",
