@@ -185,14 +185,17 @@ def test_collectives_run_without_a_cpu_backend_on_the_default_group(tiny_pixel_m
     on a CPU tensor then fails as on NCCL; the worker checks it does), training, the sharded evaluation, a save and
     the sync check run: mmrl's bookkeeping travels on its own CPU group. The evaluation equals one process's.
     (Every training feature runs so under DDP and FSDP in test_every_feature_ends_where_one_process_ends; here FSDP
-    adds the evaluation and the save, which gathers on rank 0.)"""
-    run_matrix(tiny_pixel_model, tmp_path / "one", "none", "ema_kl", 1, "--eval")
+    adds the evaluation, on two noise draws (log.eval_draws), and the save, which gathers on rank 0.)"""
+    draws = ("--set", "log.eval_draws=2")
+    run_matrix(tiny_pixel_model, tmp_path / "one", "none", "ema_kl", 1, "--eval", *draws)
     for mode in ("fsdp",):
-        run_matrix(tiny_pixel_model, tmp_path / mode, mode, "ema_kl", 2, "--eval", "--save", "--nccl-like")
+        run_matrix(tiny_pixel_model, tmp_path / mode, mode, "ema_kl", 2, "--eval", "--save", "--nccl-like", *draws)
         assert max_diff(tmp_path / "one" / "ema_kl.safetensors", tmp_path / mode / "ema_kl.safetensors") < 1e-6
         one, two = (json.load(open(tmp_path / m / "ema_kl.json")) for m in ("one", mode))
         evals = {k: v for k, v in one.items() if k.startswith("eval/") and isinstance(v, (int, float))}
         assert evals and all(two[k] == pytest.approx(v, abs=1e-4) for k, v in evals.items()), (evals, two)
+        assert len(one["eval/draws"]["overall"]) == 2
+        assert {k: pytest.approx(v, abs=1e-4) for k, v in one["eval/draws"].items()} == two["eval/draws"]
     # the token policy under FSDP: decoding in lockstep (all_done) and padded scoring forwards on the CPU group
     r = run(tiny_vl, str(tmp_path / "vl.safetensors"), "--parallel", "fsdp", "--steps", "1", "--world", tiny_world,
             "--save", "--nccl-like", procs=2)
