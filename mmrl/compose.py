@@ -24,7 +24,7 @@ from mmrl.algorithms.shaping import build_shaping
 from mmrl.config import Config, TaskConfig, policy_kind
 from mmrl.config_files import load_config as parse_config
 from mmrl.errors import ConfigError
-from mmrl.policy import POLICIES
+from mmrl.policy import POLICIES, PROVIDES
 from mmrl.registry import Registry
 from mmrl.reward import REWARDS, FunctionReward, plain_function_args, weight_schedule
 from mmrl.rollout.engine import ENGINES
@@ -76,6 +76,8 @@ def check_choices(cfg: Config) -> Config:
         if getattr(cfg.reward, key):
             REWARDS.check(getattr(cfg.reward, key), f"reward.{key}")
     POLICY_LOSSES.check(cfg.algo.objective.name, "algo.objective.name")  # its kwargs: _check_objective
+    if cfg.algo.kl == "auto":  # resolved once here, so the run's saved config names the estimator it used
+        cfg.algo.kl = _auto_kl(cfg)
     REWARD_SHAPINGS.check(cfg.algo.shaping.name, "algo.shaping.name")
     build_shaping(cfg.algo)  # algo.shaping.kwargs against the shaping's knobs dataclass
     for registry, key in ((ADVANTAGES, "advantage"), (LOSS_AGG, "loss_agg"), (KL_ESTIMATORS, "kl"),
@@ -89,6 +91,7 @@ def check_choices(cfg: Config) -> Config:
         raise ConfigError("algo.credit=group gives one advantage per sample, but tree rollouts need one per "
                           "transition: set algo.credit=auto (or tree)")
     _check_objective(cfg)
+    _check_reads(cfg)
     _choice("sampler.engine", cfg.sampler.engine, ENGINES)
     _choice("tree.fusion", cfg.tree.fusion, FUSIONS)
     if cfg.tree.split_steps:
@@ -98,6 +101,43 @@ def check_choices(cfg: Config) -> Config:
                               "tree.split_steps")
     cfg._checked = repr(cfg)  # `checked` does not check it again while it stays as it is
     return cfg
+
+
+def _provided(cfg: Config) -> tuple[str, ...] | None:
+    """What the policy reports for the objective's actions (mmrl.policy.PROVIDES); None for a user's own policy."""
+    provides = PROVIDES.get(cfg.model.policy)
+    return None if provides is None else provides.get(build_objective(cfg.algo).actions, ())
+
+
+def _auto_kl(cfg: Config) -> str:
+    """algo.kl=auto: the first of flow_mean (SDE steps), flow_velocity (forward process), k3 (log-probs) whose
+    declared reads the policy provides."""
+    provided = _provided(cfg)
+    for name in ("flow_mean", "flow_velocity", "k3"):
+        if provided is None or set(getattr(KL_ESTIMATORS[name], "reads", ())) <= set(provided):
+            return name
+    return "k3"
+
+
+def _check_reads(cfg: Config) -> None:
+    """Each component that reads policy statistics (KL estimator, weightings, ratio transform: `fn.reads`) against
+    what the policy provides for the objective's actions (mmrl.policy.PROVIDES): a missing one would fail as a
+    KeyError in the first training pass, after the model has loaded."""
+    provided = _provided(cfg)
+    if provided is None:
+        return
+    a, actions = cfg.algo, build_objective(cfg.algo).actions
+    used = [("algo.weighting", w, WEIGHTINGS) for w in a.weighting.split("+")] + [("algo.ratio", a.ratio, RATIO_TRANSFORMS)]
+    if a.kl_coef > 0:
+        used.append(("algo.kl", a.kl, KL_ESTIMATORS))
+    for key, name, registry in used:
+        missing = [r for r in getattr(registry[name], "reads", ()) if r not in provided]
+        if missing:
+            fits = [n for n in registry if isinstance(n, str) and ":" not in n
+                    and set(getattr(registry[n], "reads", ())) <= set(provided)]
+            raise ConfigError(f"{key}={name} reads {missing}, which model.policy={cfg.model.policy} does not report "
+                              f"for {actions} actions (algo.objective.name={a.objective.name}): set {key} to one of "
+                              f"{fits}")
 
 
 def _check_objective(cfg: Config) -> None:
@@ -112,6 +152,10 @@ def _check_objective(cfg: Config) -> None:
                               f"and algo.ratio=none (its trust region replaces ratio transforms)")
         return
     _choice("sampler.kind", s.kind, SDE_KINDS + ("ode",))
+    if getattr(loss, "guidance", None) == "none" and policy_kind(cfg.model.policy) == "flow" and s.cfg_scale != 1.0:
+        raise ConfigError(f"algo.objective.name={name} trains the model's own velocity without classifier-free "
+                          f"guidance, and samples from it: set sampler.cfg_scale=1 (sampler.eval_cfg_scale="
+                          f"{s.eval_cfg_scale:g} still guides the held-out evaluation); got sampler.cfg_scale={s.cfg_scale:g}")
     fix = f"algo.objective.name={name} trains on the forward process of final samples"
     if policy_kind(cfg.model.policy) == "token":
         raise ConfigError(f"{fix}, which flow policies record: set model.policy=flow or another algo.objective.name")

@@ -173,7 +173,8 @@ class AlgoConfig:
     clip_range_high: float | None = None  # DAPO clip-higher; None = clip_range
     clip_ratio_c: float = 3.0     # dual-clip PPO (verl's clip_ratio_c): for A < 0 the loss is at most -c A; 0 = off
     loss_agg: str = "seq_mean_token_mean"  # LOSS_AGG key
-    kl: str = "flow_mean"         # KL_ESTIMATORS key (used when kl_coef > 0)
+    kl: str = "auto"              # KL_ESTIMATORS key (used when kl_coef > 0); auto = the first of flow_mean,
+                                  # flow_velocity, k3 whose reads the policy provides (resolved at load)
     kl_coef: float = 0.0          # beta; Flow-GRPO GenEval: 0.004 .. 0.04; GRPO-Guard: 0
     kl_reference: str = "base"    # the KL's reference: base (the frozen initial model) | ema (the EMA of the trained
                                   # weights, train.ema_decay, which evaluation also uses)

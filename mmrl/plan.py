@@ -186,13 +186,16 @@ def _architecture(cfg, arch_name: str | None) -> dict | None:
     return arch
 
 
-def _flow_steps(s, forward: bool) -> tuple[int, int]:
-    """(trained actions per row, transformer calls of one sampled chain): SDE steps, or noise levels of the final
-    sample (forward-process losses); MixGRPO-Flash's strided ODE calls, the SDE window at its first start."""
+def _flow_steps(s, forward: bool, experts: int = 1) -> tuple[int, int]:
+    """(trained actions per row, transformer calls of one sampled chain): SDE steps (a window in each expert's steps:
+    Wan2.2's two), or noise levels of the final sample (forward-process losses); MixGRPO-Flash's strided ODE calls,
+    the SDE windows at their first starts."""
     from mmrl.sampling.flow_sde import strided_schedule
 
-    trained = s.forward_timesteps if forward else s.sde_window_size or s.num_steps - 1
-    kinds = ["sde" if i < min(s.sde_window_size or s.num_steps, s.num_steps - 1) else "ode" for i in range(s.num_steps)]
+    last = s.num_steps - 1
+    sde = min(experts * s.sde_window_size, last) if s.sde_window_size else last
+    trained = s.forward_timesteps if forward else sde
+    kinds = ["sde" if i < sde else "ode" for i in range(s.num_steps)]
     return trained, len(strided_schedule(torch.zeros(s.num_steps + 1), kinds, s.ode_stride)[1])
 
 
@@ -215,7 +218,7 @@ def _flow_parts(cfg, arch: dict | None, rows: Rows, cp: int, needs_reference: bo
         raise ConfigError(f"--cp {cp}: diffusers has no context-parallel plan for {type(model).__name__}; use --cp 1")
     prepare(model, cfg, lora_targets(family, cfg.model.lora.target_modules))
     forward = build_objective(cfg.algo).actions == "forward"  # also pays one velocity forward per action sampling
-    trained_steps, sample_calls = _flow_steps(s, forward)
+    trained_steps, sample_calls = _flow_steps(s, forward, getattr(model, "experts", 1))
     cfg_rows = 2 if s.cfg_scale != 1.0 else 1
     transitions = t.micro_batch or rows.share * trained_steps
     shapes = Shapes(transitions * cfg_rows, rows.total * (sample_calls + (s.forward_timesteps if forward else 0)) * cfg_rows,

@@ -66,3 +66,24 @@ def test_two_nodes_end_where_one_process_ends(backend, single_process, tiny_pixe
     assert single_process.keys() == two.keys()
     diff = max((single_process[k] - two[k]).abs().max().item() for k in two)
     assert diff < 1e-6, f"two nodes: parameters differ from the single-process run by {diff}"
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_multinode_accelerate_config_launches_8_per_node(nodes):
+    """configs/accelerate/multinode.yaml with the documented flags resolves, through accelerate's own launcher, to
+    8 processes on each of `nodes` nodes; without --num_processes accelerate refuses to start (no stale total)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    config = os.path.join(ROOT, "configs/accelerate/multinode.yaml")
+    head = ["--config_file", config, "--machine_rank", "1", "--main_process_ip", "127.0.0.1"]
+    tail = ["-m", "mmrl.cli", "train", "CONFIG"]
+    parser = launch_command_parser()
+    args, _, _ = _validate_launch_command(parser.parse_args(
+        [*head, "--num_machines", str(nodes), "--num_processes", str(8 * nodes), *tail]))
+    prepare_multi_gpu_env(args)
+    assert (args.nproc_per_node, args.nnodes) == ("8", str(nodes))
+    with pytest.raises(ValueError, match="num_processes"):
+        _validate_launch_command(parser.parse_args([*head, "--num_machines", str(nodes), *tail]))
+    docs = open(os.path.join(ROOT, "docs/scale-out.md")).read()
+    assert "--num_processes $((8 * NNODES))" in docs and "GLOO_SOCKET_IFNAME" in docs

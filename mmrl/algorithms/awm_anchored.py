@@ -91,6 +91,7 @@ def awm_anchored(log_prob, old_log_prob, advantages, knobs: AWMAnchoredKnobs, ct
 
 
 awm_anchored.objective = "forward"
+awm_anchored.guidance = "none"  # AWM's loss is pretraining's conditional flow matching, weighted
 awm_anchored.knobs = AWMAnchoredKnobs
 awm_anchored.needs_output = True
 awm_anchored.needs_reference = True

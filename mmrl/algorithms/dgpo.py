@@ -53,6 +53,7 @@ def dgpo(log_prob, old_log_prob, advantages, knobs: DGPOKnobs, ctx):
 
 
 dgpo.objective = "forward"
+dgpo.guidance = "none"  # DGPO's loss compares conditional flow-matching errors
 dgpo.knobs = DGPOKnobs
 dgpo.needs_output = True
 dgpo.needs_reference = True

@@ -50,6 +50,7 @@ def dpo(log_prob, old_log_prob, advantages, knobs: DPOKnobs, ctx):
 
 
 dpo.objective = "forward"
+dpo.guidance = "none"  # Diffusion-DPO's loss compares conditional denoising errors
 dpo.knobs = DPOKnobs
 dpo.needs_output = True
 dpo.needs_reference = True

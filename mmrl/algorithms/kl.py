@@ -1,6 +1,8 @@
 """KL-to-reference estimators (docs/algorithms.md §2). Registry: KL_ESTIMATORS.
 
-`fn(cur: PolicyOutput, ref: PolicyOutput) -> kl [n, A]`.
+`fn(cur: PolicyOutput, ref: PolicyOutput) -> kl [n, A]`. An estimator that reads policy statistics declares them
+(`fn.reads`: names in PolicyOutput.stats); the config is checked against what the policy provides
+(mmrl.policy.PROVIDES) at load. The log-prob estimators read none.
 """
 
 from __future__ import annotations
@@ -42,9 +44,15 @@ def flow_mean(cur, ref):
     return d2 / (2 * cur.stats["std"].pow(2).clamp(min=1e-12))
 
 
+flow_mean.reads = ("mean", "std")
+
+
 @KL_ESTIMATORS.register("flow_velocity")
 def flow_velocity(cur, ref):
     """KL in velocity space (MixGRPO-Flash, AWM, DiffusionNFT's v-based regularizer): mean_dims((v - v_ref)^2) / 2.
     For two Euler-like steps x + v dt + std z it is the step KL up to the factor dt^2 / std^2, so it does not need
     an SDE step (forward-process objectives, ODE samplers). Needs stats "velocity" [n, A, *D]."""
     return 0.5 * (cur.stats["velocity"].float() - ref.stats["velocity"].float()).pow(2).flatten(2).mean(-1)
+
+
+flow_velocity.reads = ("velocity",)

@@ -105,7 +105,9 @@ def seq_sum_norm(loss, mask, num_samples, num_actions):
 # flow policy then scores "actions" that are noise levels t of a final sample x0 (docs/algorithms.md §10). Their
 # `objective` attribute tells the flow policy which rollout to record; `needs_output` that the loss reads a
 # LossContext (the policy's velocities in PolicyOutput.stats, the reference's outputs, group ids) besides the log-probs;
-# `needs_reference` that the run keeps a reference; `needs_whole_groups` that a pass must hold whole groups.
+# `needs_reference` that the run keeps a reference; `needs_whole_groups` that a pass must hold whole groups;
+# `guidance = "none"` that the loss trains the model's own (unguided) velocity, so sampling and training run without
+# classifier-free guidance (sampler.cfg_scale=1, checked at load; evaluation keeps sampler.eval_cfg_scale).
 
 
 def awm(log_prob, old_log_prob, advantages, knobs: PPOKnobs):
@@ -117,6 +119,7 @@ def awm(log_prob, old_log_prob, advantages, knobs: PPOKnobs):
 
 
 awm.objective = "forward"
+awm.guidance = "none"  # AWM's loss is pretraining's conditional flow matching, weighted
 awm.knobs = PPOKnobs
 POLICY_LOSSES.register("awm")(awm)
 
@@ -166,6 +169,7 @@ def nft(log_prob, old_log_prob, advantages, knobs: NFTKnobs, ctx):
 
 
 nft.objective = "forward"
+nft.guidance = "none"  # DiffusionNFT is CFG-free: it trains, and samples from, the unguided velocity
 nft.knobs = NFTKnobs
 nft.needs_output = True
 POLICY_LOSSES.register("nft")(nft)

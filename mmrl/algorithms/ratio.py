@@ -39,3 +39,6 @@ def guard(log_prob, old_log_prob, rollout, out):
                           "use algo.ratio=none or gspo for token policies")
     std = out.stats["std"].to(log_prob.dtype)
     return old_log_prob + (log_prob - old_log_prob + out.stats["ratio_bias"]) * std
+
+
+guard.reads = ("std", "ratio_bias")

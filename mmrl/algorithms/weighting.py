@@ -36,6 +36,9 @@ def guard_dt(rollout, out):
     return (1.0 / minus_dt).to(out.log_prob.device)
 
 
+guard_dt.reads = ("sigma_next",)  # an SDE step's interval (the flow policy's transitions)
+
+
 @WEIGHTINGS.register("tempflow")
 def tempflow(rollout, out):
     """TempFlow-GRPO noise-aware weights (arXiv 2508.04324; docs/algorithms.md §4): w_t = std_t / mean_t'(std_t') with
@@ -44,3 +47,6 @@ def tempflow(rollout, out):
     unweighted GRPO is dominated by late low-noise steps. Flow policies."""
     std = out.stats["std"].float()                                                       # [n, A]
     return std / out.stats["schedule_std_mean"].to(std.device).clamp(min=1e-12)
+
+
+tempflow.reads = ("std", "schedule_std_mean")

@@ -99,17 +99,34 @@ class FlowPolicy(PolicyDefaults):
 
     # ----------------------------------------------------------------------------------------------- sampling
     def _window(self, generator: torch.Generator) -> list[int]:
-        """Indices of the SDE (trained) steps: a window of sde_window_size steps, never the last step."""
-        last = self.cfg.num_steps - 1  # steps 0 .. last-1 are trainable
-        size = self.cfg.sde_window_size or last
+        """Indices of the SDE (trained) steps: a window of sde_window_size steps, never the last step. Two experts
+        (Wan2.2): one such window within each expert's steps (sde_window_range counted from its first step), so both
+        train every iteration whatever the shift puts on either side of the boundary."""
+        return [i for steps in self.expert_steps() for i in self._window_in(steps, generator)]
+
+    def expert_steps(self) -> list[list[int]]:
+        """The trainable steps (0 .. num_steps-2) each expert runs, highest noise first: one list for one transformer;
+        Wan2.2's transformer at sigma >= boundary, transformer_2 below (an empty side is dropped)."""
+        steps = list(range(self.cfg.num_steps - 1))
+        if self.model.boundary is None or self.model.transformer_2 is None:
+            return [steps]
+        high = [i for i in steps if float(self.sigmas[i]) >= self.model.boundary]
+        return [side for side in (high, [i for i in steps if i not in high]) if side]
+
+    def _window_in(self, steps: list[int], generator: torch.Generator) -> list[int]:
+        """A window of sde_window_size consecutive steps of `steps` (fewer when `steps` is shorter), its start
+        drawn (or slid, MixGRPO) over sde_window_range counted from steps[0]."""
+        size = min(self.cfg.sde_window_size or len(steps), len(steps))  # 0: every step
         lo, hi = self.cfg.sde_window_range
-        hi = last - size + 1 if hi < 0 else min(hi, last - size + 1)
+        top = len(steps) - size + 1  # starts that fit
+        hi = top if hi < 0 else min(hi, top)
+        lo = min(lo, max(hi - 1, 0))
         draw = int(torch.randint(0, hi - lo, (1,), generator=generator)) if hi > lo else 0  # drawn either way
         if self.cfg.window_schedule == "sliding":  # MixGRPO: one step later every window_shift_every iterations
             start = min(lo + self.iteration // self.cfg.window_shift_every, max(hi - 1, lo))
         else:
             start = lo + draw
-        return list(range(start, start + size))
+        return steps[start:start + size]
 
     @property
     def autoencoders(self) -> list[torch.nn.Module]:

@@ -423,6 +423,24 @@ class TokenPolicy(PolicyDefaults):
             self.model.load_state_dict(type(self.model).from_pretrained(path).state_dict())
 
 
+VLM_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+
+
+def is_vlm_folder(path: str) -> bool:
+    """Whether a transformers folder holds a VLM (an image / video processor config beside the model), read from the
+    file names alone: what `mmrl validate` and the loader decide alike, before any weight loads."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in VLM_FILES)
+
+
+def check_token_config(cfg) -> None:
+    """What model.policy=token cannot honour, found before the model loads (mmrl validate, the start of train)."""
+    path = cfg.model.path
+    if cfg.sampler.engine == "vllm" and os.path.isdir(path) and is_vlm_folder(path):
+        raise ConfigError(f"sampler.engine=vllm serves text-only policies, and model.path={path!r} is a VLM (it has "
+                          f"a processor config): set sampler.engine=prefix_cache (each prompt and its media prefilled "
+                          f"once per group)")
+
+
 def load_token_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
                      trust_remote_code: bool = False):
     """(model, processor) of a transformers folder: a VLM when the folder has an image/video processor config,
@@ -433,9 +451,7 @@ def load_token_model(path: str, dtype: torch.dtype = torch.float32, device: str 
         raise MissingFile(f"model.path={path!r} is not a folder; point it at a transformers model folder "
                           f"(e.g. Qwen2.5-VL-3B-Instruct, or scripts/sft_grounding.py's output)")
     kw = dict(trust_remote_code=trust_remote_code)
-    is_vlm = any(os.path.isfile(os.path.join(path, f)) for f in
-                 ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json"))
-    if is_vlm:
+    if is_vlm_folder(path):
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **kw)
         processor = AutoProcessor.from_pretrained(path, **kw)
     else:
@@ -461,6 +477,9 @@ def build_token_policy(cfg) -> TokenPolicy:
                        freeze_vision=cfg.model.freeze_vision, reference=reference_kind(cfg), model_path=path,
                        video_on_error=v.on_error, cache_size=v.cache_size, shared_prefix=cfg.model.shared_prefix,
                        micro_batch=sample_chunk(cfg.train), cache_mb=v.cache_mb)
+
+
+build_token_policy.check_config = check_token_config  # mmrl validate runs it before any weight loads
 
 
 def load_token_policy(path: str, video: VideoOptions | None = None, video_on_error: str = "raise",
