@@ -47,7 +47,9 @@ GPU_CONFIGS = {
     "t2i/flux_kontext_edit_lora": "flux_kontext",
     "t2i/qwen_image_edit_lora": "qwen_image_edit",
     "t2v/wan_lora": "wan",
-    "t2v/wan22_i2v_a14b_lora": "wan_i2v",
+    "t2v/wan22_a14b_lora": "wan22",
+    "t2v/wan22_i2v_a14b_lora": "wan22_i2v",
+    "t2v/wan21_i2v_lora": "wan_i2v",
     "grounding/charades_qwen25vl_lora": "qwen_vl",
     "text/smollm2_arithmetic": "causal_lm",
 }
@@ -108,6 +110,16 @@ def build_models(tmp: str) -> dict[str, list[str]]:
                  "reward.name=temporal_consistency", "reward.kwargs={}"]
         out[family.name] = over
     out["sd3_flash"] = [*out["sd3"], "sampler.sde_window_size=2"]
+    # Wan2.2 A14B's two experts (T2V; I2V without an image encoder), at the recipes' own steps and shift: 4 steps at
+    # shift 12 would leave the low-noise expert no trainable step
+    from mmrl.models.families import FAMILIES
+
+    for name, pipe in (("wan22", FAMILIES["wan"].tiny(0, two_experts=True)),
+                       ("wan22_i2v", FAMILIES["wan_i2v"].tiny(0, layout="wan22_a14b"))):
+        pipe.save_pretrained(os.path.join(tmp, name))
+        base = out["wan" if name == "wan22" else "wan_i2v"]
+        out[name] = [f"model.path={os.path.join(tmp, name)}" if o.startswith("model.path=") else o
+                     for o in base if not o.startswith(("sampler.num_steps=", "sampler.eval_steps="))]
     paths = {k: os.path.join(tmp, k) for k in ("qwen_vl", "causal_lm", "world")}
     torch.manual_seed(0)
     tok = build_tokenizer([PROMPT, ANSWER, "red green blue yellow circle square triangle appears shown visible"])
@@ -129,6 +141,15 @@ def build_models(tmp: str) -> dict[str, list[str]]:
 
 
 def recipe_config(config: str, overrides: list[str], device: str, out_dir: str, iterations: int):
+    """The recipe on its tiny stand-ins, its training reward plus a term that varies within groups (the stand-ins'
+    own scores are often constant: zero advantages would train nothing); evaluation keeps the recipe's reward."""
+    from mmrl.compose import checked, load_config
+    from mmrl.testing.tiny_rewards import with_spread
+
+    return checked(with_spread(_recipe_config(config, overrides, device, out_dir, iterations)))
+
+
+def _recipe_config(config: str, overrides: list[str], device: str, out_dir: str, iterations: int):
     from mmrl.compose import load_config
 
     return load_config(os.path.join(ROOT, "configs", config + ".yaml"), [
@@ -136,6 +157,21 @@ def recipe_config(config: str, overrides: list[str], device: str, out_dir: str, 
         "train.gradient_checkpointing=true", "train.micro_batch=2", f"train.iterations={iterations}",
         "train.time_budget_min=0", f"log.out_dir={out_dir}", "log.tensorboard=false", "log.progress=false",
         "log.eval_at_start=false", "log.eval_every=1", "log.save_every=1", "log.keep_checkpoints=2"])
+
+
+def trained_modules(policy) -> dict[str, list]:
+    """{expert.module: copies of its trainable parameters} (a LoRA layer's A and B; a fully trained layer's weight),
+    named by the expert that holds them (Wan2.2: transformer / transformer_2; token policies: model)."""
+    import torch
+
+    experts = policy.experts() if hasattr(policy, "experts") else [("model", policy.model)]
+    out: dict[str, list] = {}
+    for expert, module in experts:
+        for name, p in module.named_parameters():
+            if p.requires_grad:
+                layer = name.split(".lora_")[0] if ".lora_" in name else name.rsplit(".", 1)[0]
+                out.setdefault(f"{expert}.{layer}", []).append(p.detach().float().cpu().clone())
+    return out
 
 
 class Peak:
@@ -182,8 +218,11 @@ def check_recipe(config: str, overrides: list[str], device: str, out_dir: str) -
     cuda = device.startswith("cuda")
     with Peak(cuda) as peak:
         tr = Trainer(recipe_config(config, overrides, device, out_dir, 2))
+        start = trained_modules(tr.policy)
         first = tr.fit()
     params_dtypes = sorted({str(p.dtype) for p in tr.params})
+    after = trained_modules(tr.policy)
+    unchanged = sorted(m for m in start if all(torch.equal(a, b) for a, b in zip(start[m], after[m])))
     del tr
     gc.collect()
     with Peak(cuda) as resume_peak:
@@ -203,6 +242,10 @@ def check_recipe(config: str, overrides: list[str], device: str, out_dir: str) -
              if "reward/overall_mean" in r}  # one line per trained iteration, the resumed run's appended
     if sorted(train) != [1, 2, 3]:  # step = iterations done
         raise RuntimeError(f"metrics.jsonl holds training lines for steps {sorted(train)}, expected [1, 2, 3]")
+    if unchanged or not any(train[k].get("adv/abs_mean") for k in (1, 2)):
+        raise RuntimeError(f"2 iterations left {len(unchanged)} of {len(start)} trained modules unchanged "
+                           f"({unchanged[:4]}), advantages |A| {[train[k].get('adv/abs_mean') for k in (1, 2)]}: "
+                           f"this recipe trains nothing there")
     m = train[2]
     eval_end = {k: v for k, v in first["eval_end"].items() if isinstance(v, (int, float))}
     return {"seconds": m["perf/iteration_s"], "samples_per_s": m["perf/samples_per_s"], "peak_mib": peak.mib,
@@ -210,6 +253,8 @@ def check_recipe(config: str, overrides: list[str], device: str, out_dir: str) -
             "optimizer_steps": m["train/optimizer_steps"], "params_dtypes": params_dtypes, "eval": eval_end,
             "eval_after_resume": {k: v for k, v in resumed["eval_end"].items() if isinstance(v, (int, float))},
             "resumed_at_iteration": resumed_at + 1, "iterations": resumed["iterations"],
+            "adv_abs_mean": [train[k].get("adv/abs_mean") for k in (1, 2)], "trained_modules": len(start),
+            "unchanged_modules": unchanged,
             "checkpoints": sorted(os.listdir(os.path.join(out_dir, "checkpoints")))}
 
 
@@ -218,7 +263,17 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--quick", action="store_true", help="skip the pytest device tests")
     p.add_argument("--only", nargs="+", default=None, help="only the configs whose name contains one of these")
+    p.add_argument("--real-size", action="store_true", help="FLUX.1-dev, SD3.5-M, Wan2.1-1.3B and Qwen2.5-VL-7B "
+                   "recipes at real size, random weights, per-phase memory beside mmrl plan, seconds, MFU "
+                   "(mmrl/testing/real_size.py)")
+    p.add_argument("--scale", choices=("real", "reduced"), default=None, help="--real-size's model size (default: "
+                   "real on cuda, reduced on cpu: the dry run)")
     args = p.parse_args()
+    if args.real_size:
+        sys.path.insert(0, ROOT)
+        from mmrl.testing import real_size
+
+        return real_size.main(args)
     import torch
 
     result: dict = {"device": args.device, "cuda_available": torch.cuda.is_available()}

@@ -30,7 +30,8 @@ def test_accelerate_launch_configs(path):
     import yaml
 
     c = yaml.safe_load(open(path))
-    assert c["distributed_type"] == "MULTI_GPU" and c["num_processes"] == 8 * c["num_machines"]
+    # multinode.yaml leaves the total to the command line (-1: accelerate refuses to start without it)
+    assert c["distributed_type"] == "MULTI_GPU" and c["num_processes"] in (8 * c["num_machines"], -1)
     assert c["compute_environment"] == "LOCAL_MACHINE" and 0 <= c["machine_rank"] < c["num_machines"]
 
 

@@ -230,3 +230,41 @@ def test_wan_bf16_evaluates_in_one_process(pipelines):
     videos = pol.evaluate(PROMPTS, seed=7)                                               # [2, 3, F, H, W]
     assert videos.shape == (2, 3, 5, 32, 32) and torch.isfinite(videos).all() and videos.abs().max() <= 1
     assert torch.equal(pol.evaluate(PROMPTS, seed=7), videos)
+
+
+@pytest.mark.parametrize("recipe", ["wan22_a14b_lora", "wan22_i2v_a14b_lora"])
+def test_wan22_recipes_window_each_expert(recipe, tmp_path):
+    """The shipped Wan2.2 recipes' sampler (steps, shift, window) on the two-expert layout: every iteration's SDE
+    window holds steps of both experts, so `transformer_2` (the low-noise expert, below boundary_ratio) trains too
+    (with a window drawn from steps 0-3 only, shift 12's boundary at step 10 left it untrained); one training step
+    moves both experts' LoRA weights. A schedule that gives an expert no trainable step is refused by name."""
+    from mmrl.policy.flow import FlowPolicy
+    from mmrl.testing.tiny_rewards import output_spread
+
+    s = load_config(f"configs/t2v/{recipe}.yaml").sampler
+    path = str(tmp_path / "wan22")
+    build_tiny("wan", two_experts=True).save_pretrained(path)
+    pol = policy(path, "model.sample_size=4", "model.num_frames=5", "model.lora.enabled=true", "model.lora.rank=4",
+                 f"sampler.num_steps={s.num_steps}", f"sampler.shift={s.shift}",
+                 f"sampler.sde_window_size={s.sde_window_size}",
+                 f"sampler.sde_window_range=[{s.sde_window_range[0]},{s.sde_window_range[1]}]", "sampler.cfg_scale=1")
+    high, low = pol.expert_steps()
+    assert high and low and max(high) < min(low) and len(high) + len(low) == s.num_steps - 1
+    for seed in range(20):
+        window = pol._window(torch.Generator().manual_seed(seed))
+        assert len(window) == 2 * s.sde_window_size
+        assert any(i in high for i in window) and any(i in low for i in window)
+    pol.iteration = 0
+    ro = pol.sample([{"prompt": "a cat walks"}, {"prompt": "a dog runs"}], 2, torch.Generator().manual_seed(0))
+    before = {n: [p.detach().clone() for p in tr.parameters() if p.requires_grad] for n, tr in pol.experts()}
+    adv = output_spread(ro.outputs)
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    out = pol.log_prob(ro, torch.arange(4))
+    (-(adv[:, None] * out.log_prob).mean()).backward()
+    opt = torch.optim.SGD(pol.trainable_parameters(), lr=1.0)
+    opt.step()
+    for name, tr in pol.experts():
+        moved = [not torch.equal(a, p) for a, p in zip(before[name], (p for p in tr.parameters() if p.requires_grad))]
+        assert any(moved), f"{name}'s LoRA did not train"
+    with pytest.raises(Exception, match="transformer_2 would never train"):
+        policy(path, "model.sample_size=4", "model.num_frames=5", "sampler.num_steps=2", "sampler.shift=12")

@@ -87,6 +87,11 @@ class FlowPolicy(PolicyDefaults):
         _, stds = step_mean_std(sampler_cfg.kind, zeros, zeros, sig, self.sigmas[1:-1], sampler_cfg.noise_level,
                                 float(self.sigmas[1]))
         self.schedule_std_mean = float(stds.mean())
+        if objective == "transitions" and len(self.expert_steps()) < len(self.experts()):
+            raise ConfigError(f"sampler.num_steps={sampler_cfg.num_steps} at sampler.shift={sampler_cfg.shift:g} puts "
+                              f"no trainable step below the experts' boundary sigma {model.boundary:g}, so transformer_2 "
+                              f"would never train: use more steps or a lower shift (Wan2.2 T2V: 16 steps at shift 12 "
+                              f"give each expert steps)")
         self._neg = None
         self.micro_batch = micro_batch  # rows per forward without gradients (sampling, decoding); 0 = all
         self.text_cache = BoundedCache(text_cache, 2**30)  # (prompt, images) -> (enc [L, D], pooled [P])

@@ -92,3 +92,37 @@ def recipe_reward_overrides(root: str, device: str = "cpu") -> dict[str, list[st
         "video_align": [f'reward.kwargs={{"path": "{va}", "checkpoint": null, "video_fps": 16, "device": "{device}", '
                         f'"batch_size": 2}}'],
     }
+
+
+def output_spread(outputs) -> torch.Tensor:
+    """A statistic that differs between the samples of a group, whatever they are: the mean of each image or video
+    (tensors [N, ...]), or the fraction of distinct characters of each text. [N]"""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.detach().float().flatten(1).mean(1).cpu()
+    return torch.tensor([len(set(str(o))) / max(len(str(o)), 1) for o in outputs])
+
+
+class WithSpread:
+    """A recipe's reward plus `weight` x output_spread: the tiny stand-ins' scores are often constant (a random
+    detector finds nothing, a random VLM answers nothing parseable), which gives zero advantages and trains nothing;
+    this term makes rewards vary within groups so a check run exercises a non-zero loss. Logged as reward/spread."""
+
+    def __init__(self, reward, weight: float = 1.0):
+        self.reward, self.weight = reward, weight
+        self.needs_groups = getattr(reward, "needs_groups", False)
+
+    def __call__(self, outputs, examples, *group_id):
+        scores = dict(self.reward(outputs, examples, *group_id))
+        spread = output_spread(outputs).to(scores["overall"].device)
+        return {**scores, "spread": spread, "overall": scores["overall"] + self.weight * spread}
+
+
+def with_spread(cfg, weight: float = 1.0):
+    """`cfg` (a loaded Config) with its training reward wrapped in WithSpread; held-out evaluation keeps the recipe's
+    own reward (reward.eval_name)."""
+    r = cfg.reward
+    if not r.eval_name:
+        r.eval_name, r.eval_kwargs = r.name, dict(r.kwargs)
+    r.kwargs = {"reward": r.name, "reward_kwargs": dict(r.kwargs), "weight": weight}
+    r.name = "mmrl.testing.tiny_rewards:WithSpread"
+    return cfg
