@@ -23,7 +23,8 @@ train.mixed_precision=bf16 runs) x gradient checkpointing (off, on: diffusers' e
 advantages (zero, non-zero) x SDPA backend (default, math, flash, efficient, cudnn: torch.nn.attention.sdpa_kernel
 around the forwards and the backward, whose checkpointed recompute runs there). On CPU efficient and cudnn are
 reported "unavailable on this device" without running (flash runs: CPU has a flash kernel of its own); a backend
-with no kernel for a cell's inputs (flash on fp32) is "no kernel for these inputs". `--quick`: flux only, checkpointing off and on, both advantages, both head sizes.
+with no kernel for a cell's inputs (flash on fp32) is "no kernel for these inputs". `--quick`: flux only (no Kontext),
+every other combination (120 cells, 72 of them run on CPU, about 15 s).
 
 Per cell: "finite" or "non-finite", the LoRA gradient tensors that are not finite (module names), the transformer
 blocks whose output gradients are not finite (the backward visits the blocks last to first: the non-finite values

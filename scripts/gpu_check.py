@@ -37,6 +37,7 @@ GPU_CONFIGS = {
     "t2i/sd35_pickscore_lora": "sd3",
     "t2i/sd35_ocr_lora": "sd3",
     "t2i/sd35_geneval_pickscore_lora": "sd3",
+    "t2i/sd35_nft_geneval_lora": "sd3",
     "t2v/wan_videoalign_lora": "wan",
     "t2i/flux_lora": "flux",
     "t2i/sd35_mixgrpo_flash_lora": "sd3_flash",
@@ -54,9 +55,14 @@ GPU_CONFIGS = {
     "text/smollm2_arithmetic": "causal_lm",
 }
 # config -> the tiny stand-ins of its reward models (mmrl/testing/tiny_rewards.py) and its prompts
+# (FLUX.2-dev's CLIP-score component has no tiny stand-in: open_clip's smallest model is ~150 M parameters; its
+# PickScore component stands for both)
 RECIPE_REWARDS = {"t2i/sd35_geneval_lora": "geneval", "t2i/sd35_mixgrpo_flash_lora": "geneval",
-                  "t2i/sd35_pickscore_lora": "pickscore", "t2i/sd35_geneval_pickscore_lora": "geneval_pickscore",
-                  "t2i/sd35_ocr_lora": "ocr", "t2v/wan_videoalign_lora": "video_align"}
+                  "t2i/sd35_nft_geneval_lora": "geneval", "t2i/sd35_pickscore_lora": "pickscore",
+                  "t2i/sd35_geneval_pickscore_lora": "geneval_pickscore", "t2i/sd35_ocr_lora": "ocr",
+                  "t2v/wan_videoalign_lora": "video_align", "t2i/flux_lora": "pickscore", "t2i/flux2_dev_lora": "pickscore",
+                  "t2i/flux2_klein_lora": "pickscore", "t2i/qwen_image_nft_lora": "pickscore",
+                  "t2i/z_image_awm_lora": "pickscore", "t2v/wan_lora": "video_ocr", "t2v/wan22_a14b_lora": "video_ocr"}
 
 
 def recipe_overrides(tmp: str, device: str) -> dict[str, list[str]]:
@@ -64,8 +70,11 @@ def recipe_overrides(tmp: str, device: str) -> dict[str, list[str]]:
     from mmrl.testing.tiny_rewards import recipe_reward_overrides
 
     rewards = recipe_reward_overrides(os.path.join(tmp, "rewards"), device)
+    rewards["pickscore"] = ["reward.name=pickscore", *rewards["pickscore"]]  # a multi reward (FLUX.2-dev) replaced
+    rewards["video_ocr"] = []  # the recipe's own: RapidOCR on frames (shipped in its wheel)
     prompts = {"pickscore": ["a cat on a sofa", "a red car at night", "two dogs in the snow"],
                "ocr": ['a sign that says "OPEN"', 'a mug with "MMRL" on it', 'a poster reading "HELLO"'],
+               "video_ocr": ['a sign that says "OPEN"', 'a mug with "MMRL" on it', 'a poster reading "HELLO"'],
                "video_align": ["a red circle moving left", "a blue square moving up", "a car driving by"]}
     for kind, texts in prompts.items():
         path = os.path.join(tmp, f"{kind}_prompts.txt")
@@ -161,7 +170,9 @@ def _recipe_config(config: str, overrides: list[str], device: str, out_dir: str,
 
 def trained_modules(policy) -> dict[str, list]:
     """{expert.module: copies of its trainable parameters} (a LoRA layer's A and B; a fully trained layer's weight),
-    named by the expert that holds them (Wan2.2: transformer / transformer_2; token policies: model)."""
+    named by the expert that holds them (Wan2.2: transformer / transformer_2; token policies: model). Left out: the
+    text stream's query and outputs in the last joint block of a model without single-stream blocks after it (SD3,
+    Qwen-Image): nothing reads them, so no gradient reaches them (Flow-GRPO's LoRA targets include them too)."""
     import torch
 
     experts = policy.experts() if hasattr(policy, "experts") else [("model", policy.model)]
@@ -170,8 +181,23 @@ def trained_modules(policy) -> dict[str, list]:
         for name, p in module.named_parameters():
             if p.requires_grad:
                 layer = name.split(".lora_")[0] if ".lora_" in name else name.rsplit(".", 1)[0]
+                if unread_text_stream(module, layer):
+                    continue
                 out.setdefault(f"{expert}.{layer}", []).append(p.detach().float().cpu().clone())
     return out
+
+
+TEXT_STREAM = ("add_q_proj", "to_add_out", "txt_mlp", "ff_context")
+
+
+def unread_text_stream(model, layer: str) -> bool:
+    """Whether `layer` is a text-stream query / output of the last joint block, which nothing after it reads."""
+    inner = getattr(model, "module", model)
+    blocks = getattr(inner, "transformer_blocks", None)
+    if blocks is None or getattr(inner, "single_transformer_blocks", None) is not None:
+        return False
+    last = f"transformer_blocks.{len(blocks) - 1}."
+    return layer.startswith(last) and any(f".{t}" in layer for t in TEXT_STREAM)
 
 
 class Peak:
@@ -254,6 +280,7 @@ def check_recipe(config: str, overrides: list[str], device: str, out_dir: str) -
             "eval_after_resume": {k: v for k, v in resumed["eval_end"].items() if isinstance(v, (int, float))},
             "resumed_at_iteration": resumed_at + 1, "iterations": resumed["iterations"],
             "adv_abs_mean": [train[k].get("adv/abs_mean") for k in (1, 2)], "trained_modules": len(start),
+            "experts": sorted({m.split(".")[0] for m in start}),
             "unchanged_modules": unchanged,
             "checkpoints": sorted(os.listdir(os.path.join(out_dir, "checkpoints")))}
 

@@ -132,11 +132,12 @@ def test_bench_reward_server_quick():
     assert k["error"] and k["tries"] == 3 and k["seconds_to_error"] < k["bound_s"]
 
 
-@pytest.mark.slow  # ~200 s: 17 recipes, each 3 iterations, 3 evaluations, 3 saves, a resume; every config still
+@pytest.mark.slow  # ~250 s: 20 recipes, each 3 iterations, 3 evaluations, 3 saves, a resume; every config still
 def test_gpu_check_runs_every_gpu_config_on_cpu():  # loads and validates in test_config.py
     """The GPU acceptance script's runs (bf16, gradient checkpointing, micro-batches; 2 iterations, each saved and
-    evaluated, then a resume that trains iteration 3) on CPU; on a machine without CUDA the default (--device cuda)
-    refuses with exit code 2."""
+    evaluated, then a resume that trains iteration 3) on CPU: every real recipe on its tiny stand-ins, with rewards
+    that vary within groups, moves every trained module in 2 iterations (each Wan2.2 expert by name) with non-zero
+    advantages; on a machine without CUDA the default (--device cuda) refuses with exit code 2."""
     r = run("scripts/gpu_check.py", "--device", "cpu", "--quick")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
@@ -145,7 +146,11 @@ def test_gpu_check_runs_every_gpu_config_on_cpu():  # loads and validates in tes
         from gpu_check import GPU_CONFIGS
     finally:
         sys.path.pop(0)
-    assert res["ok"] and sorted(res["configs"]) == sorted(GPU_CONFIGS) and len(GPU_CONFIGS) == 17
+    assert res["ok"] and sorted(res["configs"]) == sorted(GPU_CONFIGS) and len(GPU_CONFIGS) == 20
+    assert all(c["unchanged_modules"] == [] and c["trained_modules"] > 0 and any(c["adv_abs_mean"])
+               for c in res["configs"].values())
+    wan22 = res["configs"]["t2v/wan22_a14b_lora"]
+    assert wan22["experts"] == ["transformer", "transformer_2"]
     assert all(c["optimizer_steps"] == 2 and c["params_dtypes"] == ["torch.float32"] for c in res["configs"].values())
     assert all(c["resumed_at_iteration"] == c["iterations"] == 3 and c["eval"]["n"] > 0 and
                c["checkpoints"] == ["iter-000002", "iter-000003"] for c in res["configs"].values())

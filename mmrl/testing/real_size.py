@@ -102,7 +102,7 @@ RECIPES = {  # the token recipe first: its plan (which needs its prompt length) 
          "video.total_pixels=null")),
     "t2i/sd35_geneval_lora": Recipe(
         "sd35-medium", ("train.prompts_per_iter=1",),
-        (*_SMALL_FLOW, "train.minibatches=2", "train.grad_accum=1"),
+        _SMALL_FLOW,
         (("scaling_factor", 1.5305), ("shift_factor", 0.0609))),
     "t2v/wan_lora": Recipe(
         "wan21-1.3b", ("train.prompts_per_iter=1", "sampler.num_steps=8", "sampler.sde_window_size=2"),

@@ -117,10 +117,21 @@ class WithSpread:
         return {**scores, "spread": spread, "overall": scores["overall"] + self.weight * spread}
 
 
+def spread(outputs, examples) -> dict[str, torch.Tensor]:
+    """output_spread as a reward of its own (a component of reward.name=multi)."""
+    s = output_spread(outputs)
+    return {"overall": s}
+
+
 def with_spread(cfg, weight: float = 1.0):
-    """`cfg` (a loaded Config) with its training reward wrapped in WithSpread; held-out evaluation keeps the recipe's
-    own reward (reward.eval_name)."""
+    """`cfg` (a loaded Config) with its training reward wrapped in WithSpread (reward.name=multi: `spread` added as
+    one more component, so aggregations over components keep working); held-out evaluation keeps the recipe's own
+    reward (reward.eval_name)."""
     r = cfg.reward
+    if r.name == "multi":
+        r.kwargs = {**r.kwargs, "components": {**r.kwargs["components"], "spread": {
+            "name": "mmrl.testing.tiny_rewards:spread", "weight": weight}}}
+        return cfg
     if not r.eval_name:
         r.eval_name, r.eval_kwargs = r.name, dict(r.kwargs)
     r.kwargs = {"reward": r.name, "reward_kwargs": dict(r.kwargs), "weight": weight}
