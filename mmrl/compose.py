@@ -152,6 +152,10 @@ def _check_objective(cfg: Config) -> None:
                               f"and algo.ratio=none (its trust region replaces ratio transforms)")
         return
     _choice("sampler.kind", s.kind, SDE_KINDS + ("ode",))
+    given = "cfg_scale" in getattr(cfg, "_given", {}).get("sampler", ())
+    if getattr(loss, "guidance", None) == "none" and policy_kind(cfg.model.policy) == "flow" and s.cfg_scale != 1.0 \
+            and not given:  # the default scale, never chosen: resolved by the loss's declaration (as algo.kl=auto)
+        s.cfg_scale = 1.0
     if getattr(loss, "guidance", None) == "none" and policy_kind(cfg.model.policy) == "flow" and s.cfg_scale != 1.0:
         raise ConfigError(f"algo.objective.name={name} trains the model's own velocity without classifier-free "
                           f"guidance, and samples from it: set sampler.cfg_scale=1 (sampler.eval_cfg_scale="

@@ -250,7 +250,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     if path and "out_dir" not in (_read_yaml(path).get("log") or {}) and \
             "out_dir" not in (parse_overrides(overrides or []).get("log") or {}):
         data.setdefault("log", {})["out_dir"] = os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
-    return _build(Config, data, "").validate()
+    cfg = _build(Config, data, "")
+    cfg._given = {section: set(keys) for section, keys in data.items() if isinstance(keys, dict)}  # keys a file set
+    return cfg.validate()
 
 
 class Yaml12Loader(yaml.SafeLoader):

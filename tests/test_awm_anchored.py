@@ -112,7 +112,7 @@ def test_trains_with_the_ema_anchor(tiny_pixel_model, tmp_path):
     from mmrl.compose import load_config
     from mmrl.trainer import Trainer
 
-    over = [f"model.path={tiny_pixel_model}", "algo.objective.name=awm_anchored", "sampler.kind=ode",
+    over = [f"model.path={tiny_pixel_model}", "algo.objective.name=awm_anchored", "sampler.cfg_scale=1.0", "sampler.kind=ode",
             "algo.kl_reference=ema", "train.ema_decay=0.9", f"log.out_dir={tmp_path}", "log.tensorboard=false"]
     tr = Trainer(load_config("configs/tiny/flow_smoke.yaml", over))
     before = [p.detach().clone() for p in tr.params]
@@ -151,7 +151,7 @@ def test_ema_anchor_beside_a_kl_to_the_base(tiny_pixel_model, tmp_path):
     from mmrl.compose import load_config
     from mmrl.trainer import Trainer
 
-    over = [f"model.path={tiny_pixel_model}", "algo.objective.name=awm_anchored", "sampler.kind=ode",
+    over = [f"model.path={tiny_pixel_model}", "algo.objective.name=awm_anchored", "sampler.cfg_scale=1.0", "sampler.kind=ode",
             "algo.objective.kwargs={anchor: ema}", "algo.kl_reference=base", "model.reference=auto",
             "algo.kl_coef=0.05", "algo.kl=flow_velocity", "train.ema_decay=0.9", "train.minibatches=2",
             f"log.out_dir={tmp_path}", "log.tensorboard=false"]

@@ -56,7 +56,7 @@ def test_the_fake_accelerator_catches_a_mix():
     ["algo.ratio=guard", "algo.weighting=tempflow+guard_dt", "sampler.sde_window_size=1", "sampler.shared_noise=true"],
     ["tree.split_steps=[0,1]", "tree.branch=2", "train.group_size=4", "algo.loss_agg=token_mean",
      "tree.width_prune=1", "tree.fusion=softmax"],
-    ["algo.objective.name=nft", "sampler.kind=ode", "train.micro_batch=3"],
+    ["algo.objective.name=nft", "sampler.cfg_scale=1.0", "sampler.kind=ode", "train.micro_batch=3"],
     ["sampler.ode_solver=dpm2m", "sampler.ode_stride=2", "algo.kl_coef=0.1", "algo.kl=flow_velocity",
      "algo.kl_reference=ema", "train.ema_decay=0.5", "sampler.window_schedule=sliding"],
 ])

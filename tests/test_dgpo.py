@@ -56,7 +56,7 @@ def test_dgpo_trains_and_refuses_partial_groups(tiny_pixel_model, tmp_path):
     from mmrl.compose import load_config
     from mmrl.trainer import Trainer
 
-    over = [f"model.path={tiny_pixel_model}", "algo.objective.name=dgpo", "sampler.kind=ode", "model.reference=auto",
+    over = [f"model.path={tiny_pixel_model}", "algo.objective.name=dgpo", "sampler.cfg_scale=1.0", "sampler.kind=ode", "model.reference=auto",
             "train.minibatches=1", f"log.out_dir={tmp_path}", "log.tensorboard=false"]
     tr = Trainer(load_config("configs/tiny/flow_smoke.yaml", over))
     before = [p.detach().clone() for p in tr.params]

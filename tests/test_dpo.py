@@ -32,7 +32,7 @@ def test_online_dpo_trains(tiny_pixel_model, tmp_path):
     from mmrl.trainer import Trainer
 
     tr = Trainer(load_config("configs/tiny/flow_smoke.yaml", [
-        f"model.path={tiny_pixel_model}", "algo.objective.name=dpo", "sampler.kind=ode", "model.reference=auto",
+        f"model.path={tiny_pixel_model}", "algo.objective.name=dpo", "sampler.cfg_scale=1.0", "sampler.kind=ode", "model.reference=auto",
         "train.minibatches=1", f"log.out_dir={tmp_path}", "log.tensorboard=false", "train.inner_epochs=2"]))
     before = [p.detach().clone() for p in tr.params]
     m = tr.step(0)

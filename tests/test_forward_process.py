@@ -122,7 +122,7 @@ def test_strided_schedule_keeps_the_sde_steps():
 # ------------------------------------------------------------------------------------------------ the policy
 @pytest.mark.parametrize("kind", ["ode", "flow_grpo"])
 def test_forward_process_policy_contract(tiny_pixel_model, kind):
-    pol = make_policy(tiny_pixel_model, "algo.objective.name=nft", f"sampler.kind={kind}", "sampler.forward_timesteps=3",
+    pol = make_policy(tiny_pixel_model, "algo.objective.name=nft", "sampler.cfg_scale=1.0", f"sampler.kind={kind}", "sampler.forward_timesteps=3",
                       "sampler.forward_t_range=[0.2,0.9]")
     ro = pol.sample(EXAMPLES, 3, torch.Generator().manual_seed(0))
     assert ro.old_log_prob.shape == (6, 3) and ro.extras["latents"].shape == (6, 3, 3, 24, 24)
@@ -162,8 +162,8 @@ def test_sliding_window_moves_with_the_iteration(tiny_pixel_model):
 
 # ------------------------------------------------------------------------------------------------ the loop
 @pytest.mark.parametrize("items", [
-    ["algo.objective.name=nft", "sampler.kind=ode"],
-    ["algo.objective.name=awm", "algo.clip_range=1e-3", "algo.kl_coef=0.1", "algo.kl=flow_velocity",
+    ["algo.objective.name=nft", "sampler.cfg_scale=1.0", "sampler.kind=ode"],
+    ["algo.objective.name=awm", "sampler.cfg_scale=1.0", "algo.clip_range=1e-3", "algo.kl_coef=0.1", "algo.kl=flow_velocity",
      "algo.kl_reference=ema", "train.ema_decay=0.5", "train.lr=0.01"],
     ["sampler.ode_solver=dpm2m", "sampler.ode_stride=2", "sampler.sde_window_size=1", "algo.kl_coef=0.01",
      "algo.kl=flow_velocity", "sampler.window_schedule=sliding"],
@@ -184,14 +184,14 @@ def test_trainer_steps_move_the_weights(tiny_pixel_model, tmp_path, items):
 
 
 @pytest.mark.parametrize("items, match", [
-    (["algo.objective.name=nft", "sampler.kind=ode", "sampler.shared_noise=true"], "shared_noise"),
-    (["algo.objective.name=awm", "algo.weighting=tempflow"], "algo.weighting"),
-    (["algo.objective.name=awm", "algo.kl_coef=0.1"], "flow_velocity"),
+    (["algo.objective.name=nft", "sampler.cfg_scale=1.0", "sampler.kind=ode", "sampler.shared_noise=true"], "shared_noise"),
+    (["algo.objective.name=awm", "sampler.cfg_scale=1.0", "algo.weighting=tempflow"], "algo.weighting"),
+    (["algo.objective.name=awm", "sampler.cfg_scale=1.0", "algo.kl_coef=0.1", "algo.kl=flow_mean"], "flow_velocity"),
     (["sampler.kind=ode"], "sampler.kind"),
     (["algo.kl_reference=ema", "algo.kl_coef=0.1", "algo.kl=flow_velocity"], "train.ema_decay"),
     (["sampler.forward_t_range=[0.5,0.2]"], "forward_t_range"),
     (["sampler.ode_solver=rk4"], "ode_solver"),
-    (["model.policy=token", "algo.objective.name=nft"], "flow policies"),
+    (["model.policy=token", "algo.objective.name=nft", "sampler.cfg_scale=1.0"], "flow policies"),
 ])
 def test_config_errors_name_the_fix(items, match):
     with pytest.raises(ValueError, match=match):

@@ -203,7 +203,7 @@ def test_reference_and_config_errors(tiny_janus):
     for item, match in [("sampler.num_steps=4", "sampler.num_steps does not apply to model.policy=janus"),
                         ("sampler.top_p=0.9", "sampler.top_p does not apply"),
                         ("sampler.temperature=0", "greedy decoding"),
-                        ("algo.kl_coef=0.01", "set algo.kl=k3"),
+                        ("algo.kl_coef=0.01", r"set algo.kl to one of \['k1', 'k2', 'k3'\]"),  # mmrl.compose
                         ("algo.objective.name=nft", "use algo.objective.name=ppo_clip")]:
         with pytest.raises(ConfigError, match=match):
             extra = ["algo.kl=flow_mean"] if item.startswith("algo.kl_coef") else []

@@ -44,7 +44,7 @@ def test_both_layouts_read_to_chosen_then_rejected(tmp_path):
 
 def config(model, pairs, *items):
     return load_config(None, [f"model.path={model}", "task.name=preference_pairs", f"task.prompt_file={pairs}",
-                              "reward.name=preference_label", "reward.eval_name=shapes", "algo.objective.name=dpo",
+                              "reward.name=preference_label", "reward.eval_name=shapes", "algo.objective.name=dpo", "sampler.cfg_scale=1.0",
                               "algo.advantage=grpo", "sampler.kind=ode", "sampler.shared_noise=false",
                               "sampler.num_steps=4", "sampler.cfg_scale=1.0", "sampler.eval_cfg_scale=1.0",
                               "sampler.eval_steps=4", "train.group_size=2", "train.prompts_per_iter=2",

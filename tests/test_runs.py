@@ -74,7 +74,7 @@ def test_resume_checks_the_config_before_writing(tiny_pixel_model, tmp_path, cap
     with pytest.raises(RunDirError, match=r"changes the saved state .*model.lora.enabled: False -> True"):
         train(cfg(tiny_pixel_model, out, "model.lora.enabled=true"), resume=True)
     with pytest.raises(RunDirError, match=r"algo.objective.name: 'ppo_clip' -> 'nft'"):
-        train(cfg(tiny_pixel_model, out, "algo.objective.name=nft", "sampler.kind=ode"), resume=True)
+        train(cfg(tiny_pixel_model, out, "algo.objective.name=nft", "sampler.cfg_scale=1.0", "sampler.kind=ode"), resume=True)
     assert open(out / "config.json").read() == saved
     with caplog.at_level(logging.WARNING):
         res = train(cfg(tiny_pixel_model, out, "train.lr=0.01", "train.iterations=3"), resume=True)

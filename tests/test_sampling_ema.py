@@ -32,7 +32,7 @@ def test_ema_update_with_this_steps_decay_by_hand():
 def cfg(model, out, *items):
     return load_config("configs/tiny/flow_smoke.yaml", [
         f"model.path={model}", f"log.out_dir={out}", "log.tensorboard=false", "log.eval_at_start=false",
-        "algo.objective.name=nft", "sampler.kind=ode", "sampler.cfg_scale=1.0", "train.minibatches=1",
+        "algo.objective.name=nft", "sampler.cfg_scale=1.0", "sampler.kind=ode", "sampler.cfg_scale=1.0", "train.minibatches=1",
         "train.sampling_ema=[0.5,0.5]", *items])
 
 

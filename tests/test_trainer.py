@@ -93,8 +93,8 @@ def test_minibatch_split_gives_the_full_batch_gradient(tiny_pixel_model, tmp_pat
     [],
     ["algo.kl_coef=0.1", "algo.ratio=guard", "algo.weighting=tempflow+guard_dt", "algo.loss_agg=token_mean"],
     ["algo.advantage=dr_grpo", "algo.loss_agg=seq_sum_norm", "model.lora.enabled=true", "model.lora.rank=4"],
-    ["algo.objective.name=nft", "sampler.kind=ode", "sampler.forward_timesteps=3"],
-    ["algo.objective.name=awm", "algo.kl_coef=0.1", "algo.kl=flow_velocity", "sampler.ode_solver=dpm2m"],
+    ["algo.objective.name=nft", "sampler.cfg_scale=1.0", "sampler.kind=ode", "sampler.forward_timesteps=3"],
+    ["algo.objective.name=awm", "sampler.cfg_scale=1.0", "algo.kl_coef=0.1", "algo.kl=flow_velocity", "sampler.ode_solver=dpm2m"],
 ])
 def test_micro_batches_give_the_whole_minibatch_gradient(tiny_pixel_model, tmp_path, items):
     """train.micro_batch=4 transitions (a sample's 3 trained steps split across parts, with CFG) accumulates the

@@ -371,9 +371,6 @@ def check_janus_config(cfg) -> None:
     if build_objective(cfg.algo).actions != "transitions":
         raise ConfigError("this policy loss trains on the forward process of flow samples; model.policy=janus has "
                           "image tokens: use algo.objective.name=ppo_clip (or dgpo / dpo)")
-    if cfg.algo.kl_coef > 0 and cfg.algo.kl.startswith("flow_"):
-        raise ConfigError(f"algo.kl={cfg.algo.kl} compares flow steps; model.policy=janus compares token log-probs: "
-                          f"set algo.kl=k3 (T2I-R1), k1 or k2")
 
 
 def load_janus(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu", shard: bool = False):

@@ -46,13 +46,13 @@ FEATURES = {
     "refill": [*REFILL, "reward.workers=1", "reward.overlap_chunks=2", "train.micro_batch=2"],
     "workers": ["reward.workers=1", "reward.overlap_chunks=2"],
     "pairwise": PAIRWISE,
-    "nft": ["algo.objective.name=nft", "sampler.kind=ode"],
-    "awm": ["algo.objective.name=awm"],
+    "nft": ["algo.objective.name=nft", "sampler.cfg_scale=1.0", "sampler.kind=ode"],
+    "awm": ["algo.objective.name=awm", "sampler.cfg_scale=1.0"],
     "flash": ["sampler.sde_window_size=2", "sampler.sde_window_range=[0,2]", "sampler.window_schedule=sliding",
               "sampler.ode_solver=dpm2m", "sampler.ode_stride=2"],
     "ema_kl": ["train.ema_decay=0.5", "algo.kl_coef=0.1", "algo.kl_reference=ema", "model.reference=auto"],
     # anchored AWM: the EMA anchors its negative branch, the frozen base is the KL's reference (two forwards)
-    "awm_ema_anchor": ["algo.objective.name=awm_anchored", "sampler.kind=ode", "algo.objective.kwargs={anchor: ema}",
+    "awm_ema_anchor": ["algo.objective.name=awm_anchored", "sampler.cfg_scale=1.0", "sampler.kind=ode", "algo.objective.kwargs={anchor: ema}",
                        "train.ema_decay=0.5", "algo.kl_coef=0.1", "algo.kl=flow_velocity", "model.reference=auto"],
     "lora": ["model.lora.enabled=true", "model.lora.rank=4"],
     "kl_base": ["algo.kl_coef=0.1", "model.reference=auto"],              # a frozen copy of the base as reference
