@@ -251,7 +251,10 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             "out_dir" not in (parse_overrides(overrides or []).get("log") or {}):
         data.setdefault("log", {})["out_dir"] = os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
     cfg = _build(Config, data, "")
-    cfg._given = {section: set(keys) for section, keys in data.items() if isinstance(keys, dict)}  # keys a file set
+    # the keys a person set (a run's saved config.json lists every key, chosen or not): defaults that a component's
+    # declaration resolves at load (mmrl.compose: a CFG-free loss's sampler.cfg_scale) are resolved only when unset
+    saved = path and os.path.basename(path) == SAVED_CONFIG
+    cfg._given = {} if saved else {section: set(keys) for section, keys in data.items() if isinstance(keys, dict)}
     return cfg.validate()
 
 

@@ -297,7 +297,6 @@ def main() -> int:
                    "real on cuda, reduced on cpu: the dry run)")
     args = p.parse_args()
     if args.real_size:
-        sys.path.insert(0, ROOT)
         from mmrl.testing import real_size
 
         return real_size.main(args)

@@ -146,13 +146,14 @@ def test_an_older_runs_saved_config_is_translated_with_a_warning(tmp_path, caplo
                 tis_cap=0.0, sft_coef=0.0, reward_shaping="none", shaping_tau=0.8, shaping_alpha=1.0,
                 tgrpo_alpha=0.3, tgrpo_mu=0.8, tgrpo_threshold=0.5)
     old["sampler"]["kind"], old["log"]["out_dir"] = "ode", str(tmp_path)
+    old["sampler"]["cfg_scale"], algo["kl"] = 1.0, "flow_mean"  # a CFG-free loss; the KL estimator's old default
     (tmp_path / "config.json").write_text(json.dumps(old))
     cfg = load_config(str(tmp_path / "config.json"))
     o = cfg.algo.objective
     assert (o.name, o.kwargs, cfg.algo.clip_range) == ("awm_anchored", {"nft_beta": 2.0}, 0.01)
     assert cfg.algo.shaping.name == "none" and "saved by an older mmrl" in caplog.text
     assert "algo.dpo_beta=2000.0 (a knob of dpo, not of awm_anchored)" in caplog.text
-    today = load_config(None, [f"log.out_dir={tmp_path}", "sampler.kind=ode", "algo.clip_range=0.01",
+    today = load_config(None, [f"log.out_dir={tmp_path}", "sampler.kind=ode", "algo.clip_range=0.01", "algo.kl=flow_mean",
                                "algo.objective={name: awm_anchored, kwargs: {nft_beta: 2.0}}"])
     assert config_changes(saved_config(str(tmp_path))[1], today) == []
     (tmp_path / "old.yaml").write_text(json.dumps(old))  # the same keys in a config a person wrote: refused

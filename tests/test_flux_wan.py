@@ -234,14 +234,16 @@ def test_wan_bf16_evaluates_in_one_process(pipelines):
 
 @pytest.mark.parametrize("recipe", ["wan22_a14b_lora", "wan22_i2v_a14b_lora"])
 def test_wan22_recipes_window_each_expert(recipe, tmp_path):
-    """The shipped Wan2.2 recipes' sampler (steps, shift, window) on the two-expert layout: every iteration's SDE
-    window holds steps of both experts, so `transformer_2` (the low-noise expert, below boundary_ratio) trains too
-    (with a window drawn from steps 0-3 only, shift 12's boundary at step 10 left it untrained); one training step
-    moves both experts' LoRA weights. A schedule that gives an expert no trainable step is refused by name."""
+    """The shipped Wan2.2 recipes' steps and shift on the two-expert layout: both experts own trainable steps, and
+    the recipe's SDE steps (every step but the last) cover both; with a 3-step window (the motion world's, which the
+    previous recipe inherited: drawn from steps 0-3 it never reached the low-noise expert) every iteration's window
+    holds steps of both experts, so `transformer_2` (below boundary_ratio) trains too; one training step moves both
+    experts' LoRA weights. A schedule that gives an expert no trainable step is refused by name."""
     from mmrl.policy.flow import FlowPolicy
     from mmrl.testing.tiny_rewards import output_spread
 
-    s = load_config(f"configs/t2v/{recipe}.yaml").sampler
+    s = load_config(f"configs/t2v/{recipe}.yaml", ["sampler.sde_window_size=3", "sampler.sde_window_range=[0,4]"]).sampler
+    shipped = load_config(f"configs/t2v/{recipe}.yaml").sampler.sde_window_size
     path = str(tmp_path / "wan22")
     build_tiny("wan", two_experts=True).save_pretrained(path)
     pol = policy(path, "model.sample_size=4", "model.num_frames=5", "model.lora.enabled=true", "model.lora.rank=4",
@@ -250,6 +252,7 @@ def test_wan22_recipes_window_each_expert(recipe, tmp_path):
                  f"sampler.sde_window_range=[{s.sde_window_range[0]},{s.sde_window_range[1]}]", "sampler.cfg_scale=1")
     high, low = pol.expert_steps()
     assert high and low and max(high) < min(low) and len(high) + len(low) == s.num_steps - 1
+    assert shipped == 0  # the recipes' SDE runs on every trainable step: both experts' steps
     for seed in range(20):
         window = pol._window(torch.Generator().manual_seed(seed))
         assert len(window) == 2 * s.sde_window_size

@@ -35,7 +35,7 @@ LAYERS = [
     ["mmrl.trainer", "mmrl.reward_server", "mmrl.runs"],
     # 6 tools on top of the loop
     ["mmrl.plan", "mmrl.plan_models", "mmrl.plan_measure", "mmrl.export", "mmrl.testing.memory",
-     "mmrl.testing.contract", "mmrl.testing.tiny_rewards",
+     "mmrl.testing.contract", "mmrl.testing.tiny_rewards", "mmrl.testing.real_size",
      "mmrl.eval", "mmrl.sample", "mmrl.preflight"],
     # 7 the command line
     ["mmrl.cli"],

@@ -40,7 +40,7 @@ def test_published_architectures_at_real_size(arch):
              arch)
     assert p["params"] == pytest.approx(params, rel=0.01)
     assert p["trainable_params"] == p["params"] and p["adamw_state_fp32_gib"] == pytest.approx(8 * params / 2**30, rel=0.01)
-    lora = plan(load_config(config, ["train.micro_batch=1"]), arch)
+    lora = plan(load_config(config, ["train.micro_batch=1", "model.lora.enabled=true"]), arch)
     assert 0 < lora["trainable_params"] < 0.03 * lora["params"]
     assert lora["activations_per_micro_batch_checkpointed_gib"] < lora["activations_per_micro_batch_gib"]
     assert lora["tflop_per_iter_training"] > 0
@@ -50,10 +50,10 @@ def test_rows_follow_the_objective_and_the_sampler():
     """DiffusionNFT trains K noise levels per sample and pays K velocity forwards when sampling; MixGRPO-Flash's
     strided ODE samples with fewer calls than the chain for the same trained window."""
     nft = plan(load_config("configs/t2i/qwen_image_nft_lora.yaml", ["train.micro_batch=1"]), "qwen-image")
-    rows = 8 * 16
-    assert nft["rows_trained_per_iter"] == rows * 2 and nft["rows_sampled_per_iter"] == rows * (10 + 2)
+    rows = 32 * 16  # CFG-free: one row per sample
+    assert nft["rows_trained_per_iter"] == rows * 9 and nft["rows_sampled_per_iter"] == rows * (10 + 9)
     flash = plan(load_config("configs/t2i/sd35_mixgrpo_flash_lora.yaml", ["train.micro_batch=1"]), "sd35-medium")
-    rows = 48 * 24 * 2  # CFG doubles every row
+    rows = 32 * 12 * 2  # CFG doubles every row
     assert flash["rows_trained_per_iter"] == rows * 4 and flash["rows_sampled_per_iter"] == rows * (4 + 7)
 
 

@@ -8,9 +8,10 @@ gradient, and the model-FLOPs utilization (MFU) of sampling and of training.
     python scripts/gpu_check.py --real-size --only flux          # the recipes whose name contains a word
 
 Recipes (RECIPES): FLUX.1-dev LoRA (`t2i/flux_lora`, its 11.9 B transformer), SD3.5-Medium LoRA on GenEval
-(`t2i/sd35_geneval_lora`, 2.24 B), Wan2.1-T2V-1.3B LoRA (`t2v/wan_lora`, 33 frames at 480 px), Qwen2.5-VL-7B LoRA
-grounding (`grounding/charades_qwen25vl_lora`, 8.29 B with its vision tower, on 30 s videos at the recipe's
-100,352 pixels per frame and 2 fps: ~3,900 prompt tokens, 256 new tokens).
+(`t2i/sd35_geneval_lora`, 2.24 B), Wan2.1-T2V-1.3B LoRA (`t2v/wan_lora`, 1.4 B), Qwen2.5-VL-7B grounding
+(`grounding/charades_qwen25vl_lora`, 8.29 B with its vision tower, on 30 s 640 x 480 videos read at the recipe's fps
+and pixel limits; with LoRA, the override the recipe names: its full fine-tuning keeps 8.3 B fp32 weights,
+gradients and AdamW state, ~133 GB, which no single GPU holds).
 
 How the models are built (no weights, no hub, nothing large written to disk). The trained model is the published
 architecture (its family's `architectures` entry, mmrl/models/architectures.py for Qwen2.5-VL) at real size; a flow
@@ -29,9 +30,10 @@ the same way, then loads the checkpoint).
 
 What is not the recipe: the reward is a stand-in (StandInReward: an image's or clip's mean value, a text's hash;
 it varies within groups, so advantages are non-zero); evaluation is skipped (the check is memory and throughput);
-one group of prompts per iteration (train.prompts_per_iter=1) and, for the flow recipes, a shortened chain with a
-trained window (sampler.num_steps, sampler.sde_window_size in RECIPES) so that 2 iterations of the four fit ~10
-minutes; resolution, frames, group size, micro-batch, LoRA, CFG, KL and EMA are the recipe's. Three non-finite
+one group of prompts per iteration (train.prompts_per_iter=1) and, for the flow recipes, a trained window of 2
+denoising steps (sampler.sde_window_size; every step is still sampled) so that 2 iterations of the four fit ~10
+minutes; one process (train.parallel=none); resolution, frames, steps, group size, micro-batch, new tokens, LoRA,
+CFG, KL and EMA are the recipe's. Three non-finite
 steps in a row do not stop the run here (they are counted: random weights in bf16 may overflow). `mmrl plan`'s
 figures are of the same configuration (the stub folder's configs, world 1, measured on fake tensors) and run in
 worker processes beside the GPU work (a real-size measured plan takes minutes of CPU); its resume figure is its
@@ -97,15 +99,15 @@ class Recipe:
 
 RECIPES = {  # the token recipe first: its plan (which needs its prompt length) then runs beside the flow recipes
     "grounding/charades_qwen25vl_lora": Recipe(
-        "qwen25-vl-7b", ("train.prompts_per_iter=1",),
-        (*_SMALL, "sampler.max_new_tokens=8", "video.min_pixels=3136", "video.max_pixels=3136",
-         "video.total_pixels=null")),
+        "qwen25-vl-7b", ("train.prompts_per_iter=1", "model.lora.enabled=true", "train.lr=1e-5"),
+        (*_SMALL, "model.lora.enabled=true", "sampler.max_new_tokens=8", "video.min_pixels=3136",
+         "video.max_pixels=3136", "video.total_pixels=null")),
     "t2i/sd35_geneval_lora": Recipe(
-        "sd35-medium", ("train.prompts_per_iter=1",),
+        "sd35-medium", ("train.prompts_per_iter=1", "sampler.sde_window_size=2"),
         _SMALL_FLOW,
         (("scaling_factor", 1.5305), ("shift_factor", 0.0609))),
     "t2v/wan_lora": Recipe(
-        "wan21-1.3b", ("train.prompts_per_iter=1", "sampler.num_steps=8", "sampler.sde_window_size=2"),
+        "wan21-1.3b", ("train.prompts_per_iter=1", "sampler.sde_window_size=2"),
         (*_SMALL_FLOW, "model.sample_size=4", "model.num_frames=5")),
     "t2i/flux_lora": Recipe(
         "flux1-dev", ("train.prompts_per_iter=1", "sampler.sde_window_size=2"),
@@ -405,7 +407,7 @@ class Plans:
 # ------------------------------------------------------------------------------------------------------ one recipe
 def overrides(config: str, recipe: Recipe, scale: str, device: str, stub: str, out_dir: str, extra: list[str]):
     return [*(recipe.real if scale == "real" else recipe.reduced), *extra, f"model.path={stub}",
-            f"model.device={device}", "model.dtype=bfloat16", "train.mixed_precision=bf16",
+            f"model.device={device}", "model.dtype=bfloat16", "train.mixed_precision=bf16", "train.parallel=none",
             "train.gradient_checkpointing=true", "train.iterations=2", "train.time_budget_min=0",
             f"reward.name={__name__}:StandInReward", "reward.kwargs={}", f"log.out_dir={out_dir}",
             "log.tensorboard=false", "log.progress=false", "log.eval_at_start=false", "log.eval_every=0",
