@@ -46,7 +46,10 @@ wall time in the second (timed) iteration; sampling excludes its decode. Seconds
 perf/iteration_s (metrics.jsonl). MFU = `mmrl plan`'s transformer FLOPs of the phase per iteration (sampling:
 no-grad forwards of every chain step; training: forward + backward, + one recomputing forward under gradient
 checkpointing) / (seconds x the GPU's dense bf16 peak: PEAK_FLOPS by device name). On CPU the peak is a nominal
-NOMINAL_CPU_FLOPS per thread (printed as such): its MFU only shows the column.
+NOMINAL_CPU_FLOPS per thread (printed as such): its MFU only shows the column. The plan counts every row's whole
+sequence, while the token policy prefills a group's shared prompt once (PrefixCacheEngine) and may score it once
+(model.shared_prefix): with a long video prompt its MFU is of model FLOPs as if rows were independent, an upper
+bound up to G times the work done (a CPU check at real widths, 1 LM layer, 4,095 prompt tokens: 220 % "MFU").
 
 The CPU dry run (`--device cpu`, scale "reduced") builds the same recipes through the same code with the configs of
 each family's tiny pipeline (and a tiny Qwen2.5-VL), small resolution, frames and groups: a few minutes on 2 cores.
@@ -60,7 +63,6 @@ import concurrent.futures
 import contextlib
 import gc
 import json
-import math
 import multiprocessing
 import os
 import tempfile
@@ -208,7 +210,8 @@ def build_pipeline(recipe: Recipe, scale: str, dtype: torch.dtype, device: str):
         else:
             cls_name, conf_name, conf = encoders[names.index(name)]
             if cls_name != type(module).__name__:
-                raise RuntimeError(f"{family.name}: {name} is a {type(module).__name__}, its published part a {cls_name}")
+                raise RuntimeError(f"{family.name}: {name} is a {type(module).__name__}, its published part a "
+                                   f"{cls_name}")
             tok = parts["tokenizer" + name[len("text_encoder"):]]
             config = _text_config(cls_name, conf_name, conf, tok)
             if "T5" in conf_name:
@@ -537,7 +540,8 @@ def add_plan(res: dict, plan: dict, flops: float) -> dict:
 
 def table(results: dict, flops_note: str) -> str:
     f = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
-    head = f"{'recipe':34s} {'phase':9s} {'peak MiB':>10s} {'plan MiB':>10s} {'seconds':>9s} {'non-finite':>10s} {'MFU':>8s}"
+    head = (f"{'recipe':34s} {'phase':9s} {'peak MiB':>10s} {'plan MiB':>10s} {'seconds':>9s} {'non-finite':>10s} "
+            f"{'MFU':>8s}")
     lines = [head, "-" * len(head)]
     for config, res in results.items():
         if not res.get("ok"):
@@ -552,8 +556,10 @@ def table(results: dict, flops_note: str) -> str:
                      f"{res['nonfinite_steps']:>10d} {'':8s}")
         if res.get("plan_error"):
             lines.append(f"{config:34s} plan: {res['plan_error'].splitlines()[0]}")
-    lines.append(f"MFU against {flops_note}; peak: {'torch.cuda.max_memory_allocated' if 'CPU' not in flops_note else 'resident peak (VmHWM) over the recipe start'}"
-                 f"; plan: mmrl plan of the same configuration (world 1, fake tensors); seconds: the timed iteration")
+    peak = "resident peak (VmHWM) over the recipe's start" if "CPU" in flops_note \
+        else "torch.cuda.max_memory_allocated"
+    lines.append(f"MFU against {flops_note}; peak: {peak}; plan: mmrl plan of the same configuration (world 1, fake "
+                 f"tensors); seconds: the timed iteration")
     return "\n".join(lines)
 
 
