@@ -21,7 +21,7 @@ def tiny_tokenizer(max_length: int = 77) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>", model_max_length=max_length, padding_side="right")
 
