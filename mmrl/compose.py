@@ -152,14 +152,13 @@ def _check_objective(cfg: Config) -> None:
                               f"and algo.ratio=none (its trust region replaces ratio transforms)")
         return
     _choice("sampler.kind", s.kind, SDE_KINDS + ("ode",))
-    given = "cfg_scale" in getattr(cfg, "_given", {}).get("sampler", ())
-    if getattr(loss, "guidance", None) == "none" and policy_kind(cfg.model.policy) == "flow" and s.cfg_scale != 1.0 \
-            and not given:  # the default scale, never chosen: resolved by the loss's declaration (as algo.kl=auto)
-        s.cfg_scale = 1.0
     if getattr(loss, "guidance", None) == "none" and policy_kind(cfg.model.policy) == "flow" and s.cfg_scale != 1.0:
-        raise ConfigError(f"algo.objective.name={name} trains the model's own velocity without classifier-free "
-                          f"guidance, and samples from it: set sampler.cfg_scale=1 (sampler.eval_cfg_scale="
-                          f"{s.eval_cfg_scale:g} still guides the held-out evaluation); got sampler.cfg_scale={s.cfg_scale:g}")
+        if "cfg_scale" in getattr(cfg, "_given", {}).get("sampler", ()):  # chosen: refused; the default: resolved
+            raise ConfigError(f"algo.objective.name={name} trains the model's own velocity without classifier-free "
+                              f"guidance, and samples from it: set sampler.cfg_scale=1 (sampler.eval_cfg_scale="
+                              f"{s.eval_cfg_scale:g} still guides the held-out evaluation); got sampler.cfg_scale="
+                              f"{s.cfg_scale:g}")
+        s.cfg_scale = 1.0  # the default scale, never chosen: resolved by the loss's declaration (as algo.kl=auto)
     fix = f"algo.objective.name={name} trains on the forward process of final samples"
     if policy_kind(cfg.model.policy) == "token":
         raise ConfigError(f"{fix}, which flow policies record: set model.policy=flow or another algo.objective.name")

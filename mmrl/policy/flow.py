@@ -90,7 +90,7 @@ class FlowPolicy(PolicyDefaults):
         if objective == "transitions" and len(self.expert_steps()) < len(self.experts()):
             raise ConfigError(f"sampler.num_steps={sampler_cfg.num_steps} at sampler.shift={sampler_cfg.shift:g} puts "
                               f"no trainable step below the experts' boundary sigma {model.boundary:g}, so transformer_2 "
-                              f"would never train: use more steps or a lower shift (Wan2.2 T2V: 16 steps at shift 12 "
+                              f"would never train: use more steps or a lower shift (Wan2.2 T2V: 20 steps at shift 12 "
                               f"give each expert steps)")
         self._neg = None
         self.micro_batch = micro_batch  # rows per forward without gradients (sampling, decoding); 0 = all
