@@ -221,8 +221,10 @@ def _flow_parts(cfg, arch: dict | None, rows: Rows, cp: int, needs_reference: bo
     trained_steps, sample_calls = _flow_steps(s, forward, getattr(model, "experts", 1))
     cfg_rows = 2 if s.cfg_scale != 1.0 else 1
     transitions = t.micro_batch or rows.share * trained_steps
-    shapes = Shapes(transitions * cfg_rows, rows.total * (sample_calls + (s.forward_timesteps if forward else 0)) * cfg_rows,
-                    rows.total * trained_steps * cfg_rows * t.inner_epochs)
+    grad_rows = cfg_rows if s.cfg_grad == "full" else 1  # cfg_grad=cond: the unconditional rows run without autograd
+    trained = rows.total * trained_steps * t.inner_epochs
+    shapes = Shapes(transitions * grad_rows, rows.total * (sample_calls + (s.forward_timesteps if forward else 0)) * cfg_rows,
+                    trained * grad_rows, trained * (cfg_rows - grad_rows))
     text, vae = frozen_parts(cfg, arch, family)
     latent_bytes = 4 * math.prod(inputs.latent_shape)  # the SDE math is fp32
     decode, out_bytes = 0, latent_bytes

@@ -281,7 +281,8 @@ def flow_workload(cfg, model, inputs, text, vae, *, chunk: int, m: int, cp: int,
     train_latent = cp_cut(tuple(latent), cp)
 
     def velocity(mods, rows: int, shape) -> torch.Tensor:  # CFG through FlowModel.velocity; Wan2.2's second
-        fm = FlowModel(mods[0], None, None, shape, call=inputs.call)  # expert runs one row (its lockstep path)
+        fm = FlowModel(mods[0], None, None, shape, call=inputs.call,  # expert runs one row (its lockstep path)
+                       cfg_grad=s.cfg_grad)
         x, sigma = torch.randn(rows, *shape), torch.full((rows,), 0.5)
         enc, pooled = torch.randn(rows, text_tokens, enc_dim, dtype=dtype), torch.randn(rows, pooled_dim, dtype=dtype)
         neg = (enc.clone(), pooled.clone()) if s.cfg_scale != 1.0 else None

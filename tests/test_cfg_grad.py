@@ -41,6 +41,40 @@ def test_cfg_gradient_by_hand(tiny_pixel_model, mode):
         torch.testing.assert_close(model.velocity(x, sigma, enc, pooled, w, neg), full)
 
 
+def test_cond_gradient_keeps_no_activations_of_the_unconditional_branch(tiny_pixel_model):
+    """cfg_grad=cond: the unconditional branch runs without autograd, so a training forward saves for backward what
+    the conditional rows alone save (half of cfg_grad=full's batched forward), for the same gradient (above)."""
+    from mmrl.models.pipelines import load_flow_model
+
+    model = load_flow_model(tiny_pixel_model)
+    params = list(model.transformer.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    weights = {p.untyped_storage().data_ptr() for p in params}
+    g = torch.Generator().manual_seed(0)
+    x, sigma = torch.randn(2, *model.latent_shape, generator=g), torch.tensor([0.8, 0.4])
+    enc, pooled = model.encode_prompts(["a red circle", "two blue squares"])
+    neg = model.negative(2)
+
+    def saved(fn) -> int:
+        n = [0]
+
+        def pack(t):
+            n[0] += 0 if t.untyped_storage().data_ptr() in weights else t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return n[0]
+
+    by_mode = {}
+    for mode in ("cond", "full"):
+        model.cfg_grad = mode
+        by_mode[mode] = saved(lambda: model.velocity(x, sigma, enc, pooled, 3.5, neg))
+    alone = saved(lambda: model._forward(x, sigma, enc, pooled))
+    assert by_mode["cond"] <= 1.05 * alone and by_mode["full"] >= 1.9 * alone
+
+
 def test_text_max_length_sets_the_t5_prompt_length(tmp_path):
     """model.text_max_length: SD3's T5 tokens 256 by default (77 CLIP + 256), 128 as Flow-GRPO's recipes; a
     checkpoint keeps the setting (its model options)."""

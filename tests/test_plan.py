@@ -53,8 +53,9 @@ def test_rows_follow_the_objective_and_the_sampler():
     rows = 32 * 16  # CFG-free: one row per sample
     assert nft["rows_trained_per_iter"] == rows * 9 and nft["rows_sampled_per_iter"] == rows * (10 + 9)
     flash = plan(load_config("configs/t2i/sd35_mixgrpo_flash_lora.yaml", ["train.micro_batch=1"]), "sd35-medium")
-    rows = 32 * 12 * 2  # CFG doubles every row
-    assert flash["rows_trained_per_iter"] == rows * 4 and flash["rows_sampled_per_iter"] == rows * (4 + 7)
+    rows = 32 * 12 * 2  # CFG doubles every row; cfg_grad=cond trains the conditional half, the other runs without grad
+    assert flash["rows_trained_per_iter"] == rows // 2 * 4 == flash["rows_forward_only_per_iter"]
+    assert flash["rows_sampled_per_iter"] == rows * (4 + 7) and flash["micro_batch_rows"] == 1
 
 
 def test_missing_model_names_the_arch_option(tmp_path):

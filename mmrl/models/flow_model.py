@@ -67,11 +67,16 @@ class FlowModel:
             return self._forward(x, sigma, enc, pooled)
         if neg is None:
             raise ValueError("cfg_scale != 1 needs the unconditional (empty-prompt) embeddings")
+        if self.cfg_grad == "cond" and torch.is_grad_enabled():
+            # Flow-GRPO's gradient, d v / d theta = w d v_c / d theta: the unconditional branch runs without autograd,
+            # so its activations are never stored and no backward runs through it (benchmarks/bench_cfg_grad.py)
+            with torch.no_grad():
+                v_u = self._forward(x, sigma, neg[0], neg[1])
+            v_c = self._forward(x, sigma, enc, pooled)
+            return v_u + cfg_scale * (v_c - v_u) if self.guide is None else self.guide(v_u, v_c, cfg_scale)
         v = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([neg[0], enc]),
-                          torch.cat([neg[1], pooled]))
+                          torch.cat([neg[1], pooled]))  # one batched forward: sampling, or cfg_grad=full
         v_u, v_c = v.chunk(2)
-        if self.cfg_grad == "cond":  # Flow-GRPO's reference: d v / d theta = w d v_c / d theta
-            v_u = v_u.detach()
         return v_u + cfg_scale * (v_c - v_u) if self.guide is None else self.guide(v_u, v_c, cfg_scale)
 
     def initial_noise(self, seeds: list[int], device="cpu") -> torch.Tensor:
