@@ -216,7 +216,8 @@ def test_tree_policy_contract(tiny_pixel_model, window):
                                                   with_kwargs=True)
     pol.log_prob(ro, torch.arange(n))
     h.remove()
-    assert calls == [2 * (a + 1)]  # a + 1 trained actions, x2 for CFG
+    assert calls == [a + 1, a + 1]  # a + 1 trained actions: CFG's unconditional rows without autograd, then the
+    # conditional ones (sampler.cfg_grad=cond)
 
 
 def test_tree_trains_through_the_trainer(tiny_pixel_model, tmp_path):
