@@ -126,7 +126,7 @@ def _check_reads(cfg: Config) -> None:
     provided = _provided(cfg)
     if provided is None:
         return
-    a, actions = cfg.algo, build_objective(cfg.algo).actions
+    a = cfg.algo
     used = [("algo.weighting", w, WEIGHTINGS) for w in a.weighting.split("+")] + [("algo.ratio", a.ratio, RATIO_TRANSFORMS)]
     if a.kl_coef > 0:
         used.append(("algo.kl", a.kl, KL_ESTIMATORS))
@@ -136,7 +136,7 @@ def _check_reads(cfg: Config) -> None:
             fits = [n for n in registry if isinstance(n, str) and ":" not in n
                     and set(getattr(registry[n], "reads", ())) <= set(provided)]
             raise ConfigError(f"{key}={name} reads {missing}, which model.policy={cfg.model.policy} does not report "
-                              f"for {actions} actions (algo.objective.name={a.objective.name}): set {key} to one of "
+                              f"for its actions (algo.objective.name={a.objective.name}): set {key} to one of "
                               f"{fits}")
 
 

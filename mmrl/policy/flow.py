@@ -31,7 +31,7 @@ from mmrl.models.shard_load import copy_shards, init_adapters, load_into_shards
 from mmrl.policy.flow_checkpoint import (  # noqa: F401  (load_policy_checkpoint: the checkpoint loader's home is there)
     _link_base_parts, _load_transformer_weights, load_policy_checkpoint, save_diffusers_lora)
 from mmrl.rollout.tree import run_tree, trained_steps
-from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std, strided_schedule
+from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std, strided_schedule, window_in
 from mmrl.seeds import derive_seed
 
 WEIGHTS_FILE = "trainable.safetensors"
@@ -88,10 +88,9 @@ class FlowPolicy(PolicyDefaults):
                                 float(self.sigmas[1]))
         self.schedule_std_mean = float(stds.mean())
         if objective == "transitions" and len(self.expert_steps()) < len(self.experts()):
-            raise ConfigError(f"sampler.num_steps={sampler_cfg.num_steps} at sampler.shift={sampler_cfg.shift:g} puts "
-                              f"no trainable step below the experts' boundary sigma {model.boundary:g}, so transformer_2 "
-                              f"would never train: use more steps or a lower shift (Wan2.2 T2V: 20 steps at shift 12 "
-                              f"give each expert steps)")
+            raise ConfigError(f"sampler.num_steps={sampler_cfg.num_steps} at shift {sampler_cfg.shift:g} puts no trainable "
+                              f"step below sigma {model.boundary:g}, so transformer_2 would never train: use more steps "
+                              f"or a lower shift (Wan2.2 T2V: 20 steps at shift 12 give each expert steps)")
         self._neg = None
         self.micro_batch = micro_batch  # rows per forward without gradients (sampling, decoding); 0 = all
         self.text_cache = BoundedCache(text_cache, 2**30)  # (prompt, images) -> (enc [L, D], pooled [P])
@@ -107,7 +106,10 @@ class FlowPolicy(PolicyDefaults):
         """Indices of the SDE (trained) steps: a window of sde_window_size steps, never the last step. Two experts
         (Wan2.2): one such window within each expert's steps (sde_window_range counted from its first step), so both
         train every iteration whatever the shift puts on either side of the boundary."""
-        return [i for steps in self.expert_steps() for i in self._window_in(steps, generator)]
+        c = self.cfg
+        return [i for steps in self.expert_steps() for i in window_in(
+            steps, c.sde_window_size, c.sde_window_range, generator, c.window_schedule == "sliding" and
+            self.iteration // c.window_shift_every)]
 
     def expert_steps(self) -> list[list[int]]:
         """The trainable steps (0 .. num_steps-2) each expert runs, highest noise first: one list for one transformer;
@@ -117,21 +119,6 @@ class FlowPolicy(PolicyDefaults):
             return [steps]
         high = [i for i in steps if float(self.sigmas[i]) >= self.model.boundary]
         return [side for side in (high, [i for i in steps if i not in high]) if side]
-
-    def _window_in(self, steps: list[int], generator: torch.Generator) -> list[int]:
-        """A window of sde_window_size consecutive steps of `steps` (fewer when `steps` is shorter), its start
-        drawn (or slid, MixGRPO) over sde_window_range counted from steps[0]."""
-        size = min(self.cfg.sde_window_size or len(steps), len(steps))  # 0: every step
-        lo, hi = self.cfg.sde_window_range
-        top = len(steps) - size + 1  # starts that fit
-        hi = top if hi < 0 else min(hi, top)
-        lo = min(lo, max(hi - 1, 0))
-        draw = int(torch.randint(0, hi - lo, (1,), generator=generator)) if hi > lo else 0  # drawn either way
-        if self.cfg.window_schedule == "sliding":  # MixGRPO: one step later every window_shift_every iterations
-            start = min(lo + self.iteration // self.cfg.window_shift_every, max(hi - 1, lo))
-        else:
-            start = lo + draw
-        return steps[start:start + size]
 
     @property
     def autoencoders(self) -> list[torch.nn.Module]:

@@ -163,6 +163,22 @@ def strided_schedule(sigmas: torch.Tensor, kinds: list[str], stride: int) -> tup
     return sigmas[keep], [kinds[k] for k in keep[:-1]], pos  # a strided jump starts at an ODE step
 
 
+def window_in(steps: list[int], size: int, start_range: list[int], generator: torch.Generator,
+              slide: int | bool = False) -> list[int]:
+    """A window of `size` consecutive steps of `steps` (0 or more than there are: all of them), its start drawn over
+    start_range [lo, hi) counted from steps[0] (hi -1: the last start that fits), or, with `slide` (MixGRPO's
+    sliding window: the number of moves so far), lo + slide capped at the last start. The draw is taken either way,
+    so the generator's stream does not depend on the schedule."""
+    size = min(size or len(steps), len(steps))
+    lo, hi = start_range
+    top = len(steps) - size + 1  # starts that fit
+    hi = top if hi < 0 else min(hi, top)
+    lo = min(lo, max(hi - 1, 0))
+    draw = int(torch.randint(0, hi - lo, (1,), generator=generator)) if hi > lo else 0
+    start = min(lo + slide, max(hi - 1, lo)) if slide is not False else lo + draw
+    return steps[start:start + size]
+
+
 def run_chain(velocity, x: torch.Tensor, sigmas: torch.Tensor, kinds: list[str], noise_level: float,
               generator: torch.Generator | None = None, reduce: str = "mean", record: bool = True,
               progress: bool = False, ode_solver: str = "euler") -> Trajectory:
