@@ -37,7 +37,7 @@ import uuid
 import torch
 
 from mmrl import checkpoint_state as cs
-from mmrl.config import to_dict
+from mmrl.config import SHARDED, to_dict
 from mmrl.distributed import unsharded
 from mmrl.errors import ConfigError, DamagedCheckpoint, MissingFile
 
@@ -144,7 +144,7 @@ def save_trainer(tr) -> str:
     several nodes need a shared log.out_dir (`check_shared_run_dir`). Each rank hashes what it wrote; rank 0 writes
     the manifest last, then all check that their replicated parameters agree."""
     path = os.path.join(tr.cfg.log.out_dir, "checkpoints", f"iter-{tr.iteration:06d}")
-    fsdp = tr.dist.world > 1 and tr.cfg.train.parallel == "fsdp"
+    fsdp = tr.dist.world > 1 and tr.cfg.train.parallel in SHARDED
     main = tr.dist.main
     if main:
         remove_stale(os.path.dirname(path))

@@ -23,6 +23,7 @@ from mmrl.algorithms.objective import build_objective
 from mmrl.algorithms.shaping import build_shaping
 from mmrl.config import Config, TaskConfig, policy_kind
 from mmrl.config_files import load_config as parse_config
+from mmrl.devices import resolve_device, set_tf32
 from mmrl.errors import ConfigError
 from mmrl.policy import POLICIES, PROVIDES
 from mmrl.registry import Registry
@@ -193,6 +194,7 @@ def build_policy(cfg: Config, dist=None):
     under FSDP on several processes the flow policy then builds its trained transformers without weights and loads
     them into shards when `parallelize` has sharded them, so no rank holds a whole copy at start-up."""
     factory = POLICIES[cfg.model.policy]
+    set_tf32(resolve_device(cfg.model.device), cfg.train.tf32)  # before any weight meets the GPU
     if dist is not None and "dist" in inspect.signature(factory).parameters:
         return factory(cfg, dist=dist)
     return factory(cfg)

@@ -75,8 +75,11 @@ class SamplerConfig:
     top_p: float = 1.0
     max_new_tokens: int = 64
     engine: str = "prefix_cache"  # token policies: prefix_cache (each prompt prefilled once per group) | hf (generate)
-                                  # | vllm (mmrl/rollout/vllm_engine.py; text-only; vLLM in this environment)
-    vllm: dict = field(default_factory=dict)  # VLLMEngine options: dtype, gpu_memory_utilization, max_model_len, sleep
+                                  # | vllm (mmrl/rollout/vllm_engine.py: text LMs and Qwen-VL; vLLM in this environment)
+    # VLLMEngine options (mmrl/rollout/vllm_engine.py OPTIONS): dtype (auto: the model's 16-bit dtype, else bfloat16
+    # on CUDA, float32 on CPU), eager (default: CUDA graphs on CUDA; CPU always eager), sleep + sleep_level (1 | 2,
+    # CUDA only), gpu_memory_utilization, max_model_len, seed
+    vllm: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -109,6 +112,8 @@ class VideoConfig:
     on_error: str = "raise"       # missing / corrupt video: raise (naming the file) | skip (counted, logged)
     cache_size: int = 512         # decoded videos (and processed prompts) kept in memory, at most ...
     cache_mb: float = 2048        # ... and at most this many MiB of tensors each (float32 frames are large)
+    prefetch_workers: int = 2     # threads decoding the next batch's videos while this one samples (tasks whose
+                                  # sample() reads only its rng: `samples_ahead`); 0 = decode on the training thread
 
 
 @dataclass
@@ -188,6 +193,10 @@ class AlgoConfig:
     credit: str = "auto"          # CREDIT_ASSIGNMENTS key: group | tree | pkg.mod:fn; auto = tree when tree.split_steps
 
 
+SHARDED = ("fsdp", "hsdp")  # train.parallel values whose weights are FSDP2 DTensor shards (sharded checkpoints,
+                            # meta-device loading into shards, lockstep forwards): all ranks, or a node's ranks
+
+
 @dataclass
 class TrainConfig:
     iterations: int = 100
@@ -210,12 +219,21 @@ class TrainConfig:
     zero_signal_patience: int = 5  # warn when this many iterations in a row have all-zero advantages (nothing learned)
     threads: int = 0              # torch CPU threads; 0 = leave torch's default
     time_budget_min: float = 0.0  # stop after this many minutes of training (0 = no limit)
-    parallel: str = "none"        # several processes (torchrun / accelerate launch): ddp | fsdp (FSDP2 fully_shard)
+    parallel: str = "none"        # several processes (torchrun / accelerate launch): ddp | fsdp (FSDP2 fully_shard
+                                  # over all ranks) | hsdp (hybrid: FSDP2 shards within a node of train.shard_size
+                                  # ranks, replicas across nodes, on a 2-D ("replicate", "shard") mesh)
+    shard_size: int = 0           # hsdp: ranks that share one copy of the weights (a node); 0 = the launcher's
+                                  # processes per node (LOCAL_WORLD_SIZE, torchrun --nproc_per_node)
     context_parallel: int = 1     # flow video DiTs: ranks that split one forward's video tokens (diffusers' context
                                   # parallelism); the world is dp x cp, whole groups go to the dp ranks
     cp_kind: str = "ulysses"      # ulysses (all-to-all of heads) | ring (K/V rotation; flash-type GPU backends)
     mixed_precision: str = "no"   # bf16: training forward in bf16 (autocast; FSDP: bf16 params, fp32 reduction) | no
+    tf32: bool = True             # CUDA: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs,
+                                  # fp32 accumulation: 7-8x the fp32 rate of A100 / H100); false = IEEE fp32
     gradient_checkpointing: bool = False  # recompute activations in backward (the trained transformer / LM)
+    compile: bool = False         # torch.compile the trained networks' repeated transformer blocks in place, for
+                                  # sampling and training (regional compilation, as diffusers' compile_repeated_blocks;
+                                  # mmrl/compiled.py); the first calls of each shape compile (seconds to minutes)
     micro_batch: int = 0          # rows per model forward, bounding peak memory: in training (flow: transitions,
                                   # token: sequences; gradients accumulate to the whole minibatch's), sampling,
                                   # VAE decoding and old log-probs. 0 = a whole minibatch / rollout at once
@@ -267,6 +285,9 @@ class Config:
         self._validate_reward()
         _choice("video.backend", self.video.backend, ("decord", "torchcodec"))
         _choice("video.on_error", self.video.on_error, ("raise", "skip"))
+        if self.video.prefetch_workers < 0:
+            raise ConfigError(f"video.prefetch_workers must be >= 0 (0 = no background decoding), got "
+                              f"{self.video.prefetch_workers}")
         self._check_policy_keys()
         _choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
         _choice("model.reference", self.model.reference, ("auto", "none"))
@@ -303,7 +324,12 @@ class Config:
 
     def _validate_train(self) -> None:
         t = self.train
-        _choice("train.parallel", t.parallel, ("none", "ddp", "fsdp"))
+        _choice("train.parallel", t.parallel, ("none", "ddp", *SHARDED))
+        if t.shard_size < 0:
+            raise ConfigError(f"train.shard_size must be >= 0 (0 = the processes of one node), got {t.shard_size}")
+        if t.shard_size and t.parallel != "hsdp":
+            raise ConfigError(f"train.shard_size={t.shard_size} sets the shard group of train.parallel=hsdp; with "
+                              f"train.parallel={t.parallel} set train.shard_size=0 (or train.parallel=hsdp)")
         _choice("train.mixed_precision", t.mixed_precision, ("no", "bf16"))
         _choice("train.cp_kind", t.cp_kind, ("ulysses", "ring"))
         if t.context_parallel < 1:
@@ -311,6 +337,9 @@ class Config:
         if t.context_parallel > 1 and policy_kind(self.model.policy) != "flow":
             raise ConfigError("train.context_parallel splits a flow transformer's video tokens; token policies: set "
                               "train.context_parallel=1")
+        if t.compile and t.context_parallel > 1:
+            raise ConfigError("train.compile with train.context_parallel > 1: the compiled blocks would trace context "
+                              "parallelism's sequence-splitting hooks, which is untested; set train.compile=false")
         if t.dist_timeout_min <= 0:
             raise ConfigError(f"train.dist_timeout_min must be > 0 minutes (how long a collective waits for the slowest "
                               f"rank), got {t.dist_timeout_min}")

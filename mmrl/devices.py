@@ -34,3 +34,15 @@ def indexed(device: str | torch.device) -> torch.device:
     """torch.device(device), with a CUDA device's index (this process's current device) filled in."""
     d = torch.device(device)
     return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
+
+
+def set_tf32(device: str | torch.device, enabled: bool) -> None:
+    """`train.tf32`: on a CUDA `device`, fp32 matmuls (cuBLAS) and convolutions (cuDNN) run on TF32 tensor cores
+    (inputs rounded to a 10-bit mantissa, fp32 accumulation) when `enabled`, in IEEE fp32 otherwise. Other devices
+    are left as they are (the CPU's oneDNN matmuls keep full fp32). Set through the per-backend `allow_tf32` flags:
+    torch refuses to read a precision set partly through its newer `fp32_precision` API and partly through the older
+    one, and torch.compile (inductor) and accelerate read the older one."""
+    if torch.device(device).type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled

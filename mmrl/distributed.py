@@ -1,8 +1,8 @@
-"""Several processes, one training loop: data-parallel rollouts and DDP or FSDP2 training.
+"""Several processes, one training loop: data-parallel rollouts and DDP, FSDP2 or HSDP training.
 
 Launch any config on several processes (docs/scale-out.md has the recipes, multi-node included):
 
-    torchrun --nproc_per_node 8 -m mmrl.cli train CONFIG train.parallel=ddp      # or fsdp
+    torchrun --nproc_per_node 8 -m mmrl.cli train CONFIG train.parallel=ddp      # or fsdp, hsdp
     accelerate launch --multi_gpu --num_processes 8 -m mmrl.cli train CONFIG train.parallel=fsdp
 
 How the work is split: by whole groups. Every rank draws the same prompts (same seeds). The B groups of an
@@ -13,7 +13,7 @@ are scored where the rows are, then all-gathered with their global group ids and
 order: advantages and decisions (dynamic sampling) are computed from the same numbers on every rank.
 Minibatches are the single-process minibatches (stratified by group: a rank holds the same share of each), each
 rank training its rows of them; losses are normalized by the global counts, and gradients are averaged across
-ranks by DDP or FSDP2 (`fully_shard`). Every rank runs the same number of forwards and backwards (the most any rank
+ranks by DDP or FSDP2 (`fully_shard`; hsdp: sharded within a node, replicated across nodes). Every rank runs the same number of forwards and backwards (the most any rank
 needs, padded with zero-weight passes of one micro-batch), and gradients are synchronized only at the last backward
 of an optimizer step (`no_sync` / `set_requires_gradient_sync(False)`).
 
@@ -34,6 +34,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from mmrl.config import SHARDED
 from mmrl.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -70,24 +71,31 @@ def check_parallel_config(cfg, world: int, folder: bool = True) -> None:
         return
     if t.parallel == "none":
         raise ConfigError(f"train.parallel=none on {world} processes: every process would train alone. Set "
-                          f"train.parallel=ddp (replicated weights) or fsdp (sharded weights)")
+                          f"train.parallel=ddp (replicated weights) or fsdp (sharded weights; hsdp: within a node)")
+    if t.parallel == "hsdp" and t.shard_size and world % t.shard_size:
+        raise ConfigError(f"train.shard_size={t.shard_size} does not divide the {world} processes: each shard group "
+                          f"holds one copy of the weights. Set train.shard_size to a divisor of {world} (0 = a node)")
     if t.prompts_per_iter < world // cp:
         raise ConfigError(f"train.prompts_per_iter={t.prompts_per_iter} groups for {world // cp} data-parallel ranks "
                           f"({world} processes / train.context_parallel={cp}): ranks shard whole groups, so every rank "
                           f"needs one. Set train.prompts_per_iter >= {world // cp}")
-    if kind != "flow" and t.parallel == "fsdp" and cfg.sampler.engine != "prefix_cache":
-        raise ConfigError("train.parallel=fsdp for token policies needs sampler.engine=prefix_cache (its decoding "
-                          "runs in lockstep across ranks, which FSDP's all-gathers need)")
+    if kind != "flow" and t.parallel in SHARDED and cfg.sampler.engine != "prefix_cache":
+        raise ConfigError(f"train.parallel={t.parallel} for token policies needs sampler.engine=prefix_cache (its "
+                          f"decoding runs in lockstep across ranks, which FSDP's all-gathers need)")
 
 
 class Distributed:
     """rank / world / device of this process, its groups, and the collectives the trainer needs. world == 1:
     every method is a no-op (or the identity)."""
 
+    syncs = True  # the next backward synchronizes gradients across ranks (False inside no_sync)
+
     def __init__(self, parallel: str = "none", context_parallel: int = 1, cp_kind: str = "ulysses",
-                 timeout_min: float = 30.0):
+                 timeout_min: float = 30.0, shard_size: int = 0):
         self.parallel = parallel
         self.rank, self.world = 0, 1
+        self.shard_size = 1  # ranks that share one copy of the trained weights (set below: fsdp all, hsdp a node's)
+        self.timeout = datetime.timedelta(minutes=timeout_min)  # train.dist_timeout_min
         self.cp, self.cp_kind, self.mesh = context_parallel, cp_kind, None
         self.device = torch.device("cpu")
         self.group = self.cpu_group = None
@@ -98,7 +106,7 @@ class Distributed:
             from mmrl.preemption import restarted
 
             cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
-            timeout = datetime.timedelta(minutes=timeout_min)  # train.dist_timeout_min (a group made earlier keeps its own)
+            timeout = self.timeout  # (a group made earlier keeps its own)
             if not dist.is_initialized() and restarted() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                 _init_restarted_group(cpu, timeout)
             state = PartialState(cpu=cpu, timeout=timeout)
@@ -110,13 +118,15 @@ class Distributed:
             # the trained networks' collectives: the default group when it serves this device (NCCL on GPUs, gloo
             # on CPU); else (a default group without a CPU backend while training on CPU, as in the tests) gloo
             self.group = None if _serves(self.device) else self.cpu_group
+            self.shard_size = _shard_size(parallel, shard_size, self.world)
             if self.cp > 1:  # (dp, cp) mesh: the cp ranks of one dp row are adjacent and hold the same rows
                 from mmrl.context_parallel import build_mesh
 
                 self.mesh = build_mesh(self.cp, self.world, self.device.type)
         elif launched():
             raise RuntimeError(f"started as one of WORLD_SIZE={os.environ['WORLD_SIZE']} processes with "
-                               f"train.parallel=none: every process would train alone. Set train.parallel=ddp or fsdp")
+                               f"train.parallel=none: every process would train alone. Set train.parallel=ddp or fsdp "
+                               f"(or hsdp)")
         elif parallel != "none":
             log.warning("train.parallel=%s in a single process: nothing to parallelize", parallel)
 
@@ -162,7 +172,7 @@ class Distributed:
             return list(range(max(lo, 0), min(hi, len(examples))))
 
         share = held(self.data_rank)
-        most = max(len(held(r)) for r in range(self.data_world)) if self.parallel == "fsdp" else 0
+        most = max(len(held(r)) for r in range(self.data_world)) if self.parallel in SHARDED else 0
         pad = max(most - len(share), 0 if share else 1)  # a rank without a group of this call still samples one
         groups = share + [share[-1] if share else 0] * pad
         if policy.samples_rows:
@@ -225,6 +235,14 @@ class Distributed:
         t = torch.tensor([int(flag)], dtype=torch.long)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return bool(t.item())
+
+    def any_rank(self, flags: list[bool]) -> list[bool]:
+        """Each flag true when it is true on some rank (e.g. which experts some rank's rows need)."""
+        if self.world == 1:
+            return list(flags)
+        t = torch.tensor([int(f) for f in flags], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return [bool(f) for f in t.tolist()]
 
     def decide(self, elapsed_min: float, stop: bool) -> tuple[float, bool]:
         """One decision for every rank at an iteration boundary, in one collective: rank 0's clock (the minutes
@@ -300,18 +318,26 @@ class Distributed:
     def check_in_sync(self, params: list[torch.Tensor], what: str = "parameters") -> None:
         """Raise if this rank's replicated parameters differ from rank 0's: a checksum and a position-weighted
         checksum, accumulated in fp64 one parameter at a time (nothing is materialized), compared across ranks.
-        FSDP2 shards have no replica to compare and are skipped."""
+        FSDP2 shards: under hsdp a rank's shards are compared with those of the rank holding the same shards on the
+        first node (rank % shard_size); under fsdp they have no replica and are skipped."""
         replicated = [p for p in params if not hasattr(p, "to_local")]
-        if self.world == 1 or not replicated:
+        shards = [p.to_local() for p in params if hasattr(p, "to_local")] if self.parallel == "hsdp" else []
+        if self.world == 1 or not (replicated or shards):
             return
-        with torch.no_grad():
+
+        def checksums(ts: list[torch.Tensor]) -> torch.Tensor:  # [2] fp64
             v = torch.zeros(2, dtype=torch.float64)
-            for p in replicated:
-                f = p.detach().flatten().double()
+            for t in ts:
+                f = t.detach().flatten().double()
                 w = torch.arange(1, f.numel() + 1, device=f.device).remainder_(97)
                 v += torch.stack([f.sum(), (f * w).sum()]).cpu()
-        sums = torch.stack(self.gather_list([v], every_rank=True))          # [world, 2]
-        bad = [r for r in range(self.world) if not torch.allclose(sums[r], sums[0], rtol=1e-9, atol=1e-9)]
+            return v
+
+        with torch.no_grad():
+            v = torch.cat([checksums(replicated), checksums(shards)])
+        sums = torch.stack(self.gather_list([v], every_rank=True))          # [world, 4]
+        twin = lambda r: torch.cat([sums[0, :2], sums[r % self.shard_size, 2:]])  # noqa: E731 - what rank r must hold
+        bad = [r for r in range(self.world) if not torch.allclose(sums[r], twin(r), rtol=1e-9, atol=1e-9)]
         if bad:
             raise RuntimeError(f"ranks are out of sync: {what} differ from rank 0's on rank(s) {bad}. Either gradients "
                                f"are not averaged (check train.parallel and the launcher: a plain Accelerator() on a "
@@ -320,18 +346,19 @@ class Distributed:
 
     # -------------------------------------------------------------------------- the trained networks
     def wrap(self, module: torch.nn.Module, mixed_precision: str = "no") -> torch.nn.Module:
-        """DDP: the module wrapped (attributes still reach it); FSDP2: the module sharded in place."""
+        """DDP: the module wrapped (attributes still reach it); FSDP2 / HSDP: the module sharded in place. DDP's
+        gradients are views into its all-reduce buckets (`gradient_as_bucket_view`: no second gradient-sized buffer;
+        the optimizer's zero_grad(set_to_none=True) drops the views and the next backward points them back)."""
         if self.world == 1 or self.parallel == "none":
             return module
         if self.parallel == "ddp":
             wrapped = _DDP(module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                           forward_sync_buffers=False, process_group=self.group)
+                           forward_sync_buffers=False, process_group=self.group, gradient_as_bucket_view=True)
             self.wrapped.append(wrapped)
             return wrapped
-        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, self.device.type)
+        mesh = self.shard_mesh()
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if mixed_precision == "bf16" else MixedPrecisionPolicy()
         # FSDP units, all-gathered one at a time: each transformer block; in a model of few large blocks (each over
@@ -350,19 +377,48 @@ class Distributed:
         self.wrapped.append(module)
         return module
 
+    def shard_mesh(self):
+        """The device mesh FSDP2 shards over, made once. fsdp: 1-D over every rank. hsdp: 2-D, dims ("replicate",
+        "shard"); row i is the node of ranks [i s, (i + 1) s) (s = shard_size), which all-gathers and reduce-scatters
+        one copy of the weights, and column j the ranks holding the same shards on every node, which all-reduce their
+        gradient shards (FSDP2's hybrid sharding: only gradient shards cross the interconnect)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if getattr(self, "_mesh", None) is None:
+            group = self.group or dist.group.WORLD
+            if self.parallel != "hsdp":
+                self._mesh = DeviceMesh.from_group(group, self.device.type)
+            else:  # every rank makes every group, in the same order (new_group is a collective on the default group)
+                grid = torch.arange(self.world).view(self.world // self.shard_size, self.shard_size)
+                backend = None if self.group is None else "gloo"  # the device group's backend (gloo: CPU)
+                rows = [dist.new_group(r.tolist(), backend=backend, timeout=self.timeout) for r in grid]
+                cols = [dist.new_group(c.tolist(), backend=backend, timeout=self.timeout) for c in grid.T]
+                node, pos = divmod(self.rank, self.shard_size)
+                self._mesh = DeviceMesh.from_group([cols[pos], rows[node]], self.device.type, mesh=grid,
+                                                   mesh_dim_names=("replicate", "shard"))
+        return self._mesh
+
     @contextlib.contextmanager
     def no_sync(self, skip: bool = True):
         """DDP: gradients accumulate locally inside the block (no all-reduce) when `skip`: every backward of an
         optimizer step but its last runs here. FSDP2 reduce-scatters at every backward and accumulates the shards:
         skipping it would keep each rank's gradients of the whole model unsharded in fp32 until the step (measured by
-        `mmrl plan`: 44 GiB per GPU for FLUX.1-dev full fine-tuning, 106 GiB for Wan2.2-A14B's two experts)."""
+        `mmrl plan`: 44 GiB per GPU for FLUX.1-dev full fine-tuning, 106 GiB for Wan2.2-A14B's two experts). HSDP
+        reduce-scatters within the node at every backward too, but all-reduces the accumulated shards across nodes
+        only at the step's last backward (`set_requires_all_reduce(False)` inside the block)."""
         ddp = [m for m in self.wrapped if not hasattr(m, "set_requires_gradient_sync")]
-        if not skip or self.world == 1 or not ddp:
+        hsdp = [m for m in self.wrapped if hasattr(m, "set_requires_all_reduce")] if self.parallel == "hsdp" else []
+        if not skip or self.world == 1 or not (ddp or hsdp):
             yield
             return
         with contextlib.ExitStack() as stack:
+            self.syncs = False
+            stack.callback(setattr, self, "syncs", True)
             for m in ddp:
                 stack.enter_context(m.no_sync())
+            for m in hsdp:
+                m.set_requires_all_reduce(False)
+                stack.callback(m.set_requires_all_reduce, True)
             yield
 
     def reshard(self) -> None:
@@ -388,7 +444,7 @@ class Distributed:
     def autocast(self, mixed_precision: str, policy):
         """train.mixed_precision=bf16: the training forward under bf16 autocast (FSDP2 instead computes in bf16
         through its MixedPrecisionPolicy); log-probs and the loss are computed in fp32 from its outputs."""
-        if mixed_precision != "bf16" or (self.parallel == "fsdp" and self.world > 1):
+        if mixed_precision != "bf16" or (self.parallel in SHARDED and self.world > 1):
             return contextlib.nullcontext()
         return torch.autocast(torch.device(policy.device).type, dtype=torch.bfloat16)
 
@@ -413,6 +469,19 @@ def _init_restarted_group(cpu: bool, timeout: datetime.timedelta) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("gloo" if cpu else "nccl", store=dist.PrefixStore(f"mmrl/attempt-{restarted()}", store),
                             rank=rank, world_size=world, timeout=timeout)
+
+
+def _shard_size(parallel: str, shard_size: int, world: int) -> int:
+    """Ranks that share one copy of the trained weights: fsdp every rank; hsdp train.shard_size, 0 = the processes
+    of one node (LOCAL_WORLD_SIZE, set by torchrun and accelerate); ddp 1."""
+    if parallel != "hsdp":
+        return world if parallel == "fsdp" else 1
+    size = shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % size:
+        raise ConfigError(f"train.parallel=hsdp shards within groups of {size} ranks (train.shard_size, else the "
+                          f"processes per node), which must divide the {world} processes: set train.shard_size to a "
+                          f"divisor of {world}")
+    return size
 
 
 def _serves(device: torch.device) -> bool:

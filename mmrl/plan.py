@@ -44,10 +44,12 @@ Several GPUs (`world` data-parallel processes x `cp` context-parallel ranks each
 whole groups; minibatches are chunks of one global permutation, so a rank's rows in one minibatch vary: without
 `train.micro_batch` the plan sizes the training forward for the share exceeded once in 10^6 minibatches
 (hypergeometric). `train.parallel=fsdp` shards weights, gradients, AdamW state and EMA over world x cp GPUs (and
-all-gathers two blocks' weights at a time); ddp replicates them; a flow or Janus policy's frozen KL reference copy is
-sharded like them (not under model.offload, nor a token policy's). Context parallelism (mmrl/context_parallel.py) splits one forward's video tokens cp ways: the
-transformer activations per GPU divide by cp, while rollouts, text encoders, VAE and its decode stay per rank. No
-wall-clock time is estimated: FLOPs and rows per GPU are given instead.
+all-gathers two blocks' weights at a time); hsdp shards them over a node's GPUs (train.shard_size; 0 = a node of
+PLAN_NODE_GPUS = 8, or all GPUs when fewer) and replicates across nodes, so a GPU holds what it would under fsdp on
+one node; ddp replicates them; a flow or Janus policy's frozen KL reference copy is sharded like them (not under
+model.offload, nor a token policy's). Context parallelism (mmrl/context_parallel.py) splits one forward's video tokens
+cp ways: the transformer activations per GPU divide by cp, while rollouts, text encoders, VAE and its decode stay per
+rank. No wall-clock time is estimated: FLOPs and rows per GPU are given instead.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from typing import Callable
 import torch
 
 from mmrl.algorithms.objective import build_objective
-from mmrl.config import policy_kind, sample_chunk
+from mmrl.config import SHARDED, policy_kind, sample_chunk
 from mmrl.devices import torch_dtype
 from mmrl.distributed import check_parallel_config, transformer_blocks
 from mmrl.errors import ConfigError, MissingFile
@@ -77,6 +79,7 @@ GiB = 2**30
 PROMPT_TOKENS = {"token": 512, "janus": 48}  # default prompt lengths (token: with media tokens; janus: GenEval's)
 NAMES = {"text": "text encoders", "vae": "VAE", "chain": "the sampling chain"}  # what each frozen slot holds
 JANUS_NAMES = {"text": "understanding path", "vae": "VQ model", "chain": "generation KV cache"}
+PLAN_NODE_GPUS = 8  # GPUs per node for train.parallel=hsdp with train.shard_size=0 (a launched run reads its node's)
 
 
 def _kind(cfg) -> str | None:
@@ -107,11 +110,12 @@ def _check_layout(cfg, world: int, cp: int, folder: bool) -> None:
         raise ConfigError(f"--world and --cp must be >= 1, got {world} and {cp}")
     if world * cp > 1 and cfg.train.parallel == "none":
         raise ConfigError(f"train.parallel=none on {world * cp} GPUs: every process would train alone. Set "
-                          f"train.parallel=ddp (replicated weights) or fsdp (sharded weights)")
+                          f"train.parallel=ddp (replicated weights) or fsdp (sharded weights; hsdp: within a node)")
     if cp > 1 and _kind(cfg) != "flow":
         raise ConfigError("--cp splits a flow transformer's video tokens (mmrl/context_parallel.py); token policies: --cp 1")
     check_parallel_config(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, context_parallel=cp)),
                           world * cp, folder=folder)
+    sharded_over(cfg.train, world * cp)  # hsdp: a shard group that divides the GPUs
 
 
 class _NoCastWarning(logging.Filter):
@@ -144,12 +148,13 @@ class Rows:
     share: int    # the count exceeded in < 1e-6 of minibatches (what the plan sizes for),
     most: int     # and the most possible
     chunk: int    # rows per forward without gradients (sampling, VAE decoding): train.sample_chunk, else all
+    world: int    # data-parallel processes
 
 
 def _rows(t, world: int) -> Rows:
     total, rank = t.prompts_per_iter * t.group_size, -(-t.prompts_per_iter // world) * t.group_size
     mean, share, most = rank_share(total, rank, total // t.minibatches)
-    return Rows(total, rank, mean, share, most, sample_chunk(t) or rank)
+    return Rows(total, rank, mean, share, most, sample_chunk(t) or rank, world)
 
 
 @dataclass
@@ -199,6 +204,30 @@ def _flow_steps(s, forward: bool, experts: int = 1) -> tuple[int, int]:
     return trained, len(strided_schedule(torch.zeros(s.num_steps + 1), kinds, s.ode_stride)[1])
 
 
+def _idle_expert_rows(cfg, model, rows: Rows, trained_steps: int, forward: bool) -> int:
+    """Rows with gradients an iteration adds by two experts scoring in lockstep (Wan2.2 under several processes,
+    FlowPolicy._lockstep): under DDP and HSDP the backward that synchronizes a step's gradients runs both experts,
+    so a step whose last training forward holds one expert's transitions runs the other on one idle row. FSDP2's
+    calls, decided per call, add none while every rank's micro-batches hold the same steps (equal shares, as
+    planned). Counted on one rank's micro-batches as the trainer cuts them (data.micro_batches over each row's
+    trained steps, the high-noise expert's first); a forward-process objective's noise levels are drawn per row, so
+    its last forward is counted as one expert's."""
+    from mmrl.data import micro_batches
+    from mmrl.models.families.common import static_schedule
+
+    t, s = cfg.train, cfg.sampler
+    if getattr(model, "experts", 1) < 2 or rows.world == 1 or t.parallel not in ("ddp", "hsdp"):
+        return 0
+    sigmas = static_schedule(s.num_steps, s.shift)[:-1]
+    high = int((sigmas >= model.boundary).sum()) if model.boundary is not None else 0
+    high = min(s.sde_window_size or high, high, trained_steps)                         # trained steps of the first
+    mask = torch.ones(max(round(rows.mean), 1), trained_steps, dtype=torch.bool)       # a rank's minibatch
+    *_, (_, last) = micro_batches(mask, torch.arange(len(mask)), t.micro_batch, True)
+    last = mask if last is None else last
+    one = forward or bool(last[:, :high].any()) != bool(last[:, high:].any())
+    return int(one) * rows.world * t.minibatches // t.grad_accum * t.inner_epochs
+
+
 def _flow_call(model, inputs, m: int, dtype: torch.dtype) -> Callable[[], None]:
     """One training forward of m rows on meta tensors through the family's call."""
     def run():
@@ -223,8 +252,9 @@ def _flow_parts(cfg, arch: dict | None, rows: Rows, cp: int, needs_reference: bo
     transitions = t.micro_batch or rows.share * trained_steps
     grad_rows = cfg_rows if s.cfg_grad == "full" else 1  # cfg_grad=cond: the unconditional rows run without autograd
     trained = rows.total * trained_steps * t.inner_epochs
+    idle = _idle_expert_rows(cfg, model, rows, trained_steps, forward)
     shapes = Shapes(transitions * grad_rows, rows.total * (sample_calls + (s.forward_timesteps if forward else 0)) * cfg_rows,
-                    trained * grad_rows, trained * (cfg_rows - grad_rows))
+                    trained * grad_rows + idle, trained * (cfg_rows - grad_rows))
     text, vae = frozen_parts(cfg, arch, family)
     latent_bytes = 4 * math.prod(inputs.latent_shape)  # the SDE math is fp32
     decode, out_bytes = 0, latent_bytes
@@ -299,13 +329,23 @@ def _janus_parts(cfg, arch: dict | None, rows: Rows, prompt_tokens: int, needs_r
                     0 if full else trained)
     passes = -(-rows.share // m) * t.grad_accum  # training forwards per optimizer step on a rank
     whole = sum(q.numel() * (4 if q.requires_grad else q.element_size()) for q in lm.parameters())  # upcast, unsharded
-    if t.parallel == "fsdp":
+    if t.parallel in SHARDED:
         whole = 0  # build_janus_policy builds the trained path on meta and reads it into shards (LoRA: its base)
     workload = functools.partial(janus_workload, cfg, janus, lm, frozen, vq, scorer, chunk=rows.chunk, m=m, prompt=p,
                                  kept=stored, passes=passes, needs_reference=needs_reference, loaded_whole=whole)
     return Parts(lm, run, shapes, stored, workload, frozen, vq, decode, kv, names=dict(JANUS_NAMES),
                  checkpoint=functools.partial(JanusPolicy.enable_gradient_checkpointing, scorer),
                  loaded_whole=whole)
+
+
+def sharded_over(t, gpus: int) -> int:
+    """GPUs sharing one copy of the trained weights (train config `t`, `gpus` GPUs): fsdp all of them, hsdp one node's
+    (train.shard_size, else PLAN_NODE_GPUS or all GPUs when fewer), ddp one."""
+    size = {"fsdp": gpus, "hsdp": t.shard_size or min(PLAN_NODE_GPUS, gpus)}.get(t.parallel, 1)
+    if gpus % size:
+        raise ConfigError(f"train.parallel=hsdp shards over {size} GPUs (train.shard_size; 0 = a node of "
+                          f"{PLAN_NODE_GPUS}), which must divide the {gpus} GPUs: set train.shard_size to one node's GPUs")
+    return size
 
 
 def _state(cfg, model: torch.nn.Module, shard: int) -> dict[str, float]:
@@ -337,7 +377,7 @@ def _by_hand(cfg, parts: Parts, rows: Rows, world: int, cp: int) -> dict:
     """The plan's figures by hand (sizes in GiB, counts, TFLOP; see the module docstring)."""
     t, model, shapes = cfg.train, parts.model, parts.shapes
     meas = measure_forward(model, parts.run)
-    shard = world * cp if t.parallel == "fsdp" else 1
+    shard = sharded_over(t, world * cp)
     state, gathered = _state(cfg, model, shard), _gathered(model, shard, t.mixed_precision)
     experts = getattr(model, "experts", 1)
     # the backward of a block allocates gradients of about its saved size while those are still held: the peak
@@ -448,8 +488,9 @@ def format_plan(p: dict) -> str:
     forward_only = f" + {p['rows_forward_only_per_iter']} rows fwd" if p.get("rows_forward_only_per_iter") else ""
     loading = f"   peak loading (whole, before sharding) {g('peak_loading_gib')}" if p.get("peak_loading_gib") else ""
     cp_note = f" (1/{p['cp']} of the tokens per GPU)" if p["cp"] > 1 else ""
+    replicas = f", replicated {p['gpus'] // p['sharded_over']}x across nodes" if p["parallel"] == "hsdp" else ""
     layout = (f"{p['gpus']} GPU(s): --world {p['world']} x --cp {p['cp']}, train.parallel={p['parallel']}, "
-              f"weights / gradients / AdamW / EMA sharded over {p['sharded_over']}")
+              f"weights / gradients / AdamW / EMA sharded over {p['sharded_over']}{replicas}")
     lines = [f"{p['model']} ({p['class']}{' x 2 experts' if p['experts'] == 2 else ''}, {p['dtype']}"
              f"{', LoRA' if p['lora'] else ', full fine-tuning'}); per GPU on {layout}",
              f"  parameters            {p['params'] / 1e9:.3f} B, trainable {p['trainable_params'] / 1e6:.1f} M",

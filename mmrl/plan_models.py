@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmrl.devices import torch_dtype
+from mmrl.models.decode_batch import LivePeak, decode_peak  # noqa: F401 - measured here, used by mmrl.plan
 from mmrl.distributed import transformer_blocks
 from mmrl.errors import ConfigError
 
@@ -125,12 +124,14 @@ def flow_model(cfg, arch: dict | None):
         family = family_of(pipe, m.family, where=os.path.join(m.path, "model_index.json"))
         cls, config, folder = tcfg["_class_name"], {k: v for k, v in tcfg.items() if not k.startswith("_")}, m.path
         experts = 2 if (pipe.get("transformer_2") or [None])[0] and pipe.get("boundary_ratio") else 1
+        boundary = pipe.get("boundary_ratio")
     else:
         family, cls, config, folder = arch["family"], arch["family"].transformer, arch["config"], None
-        experts = arch.get("experts", 1)
+        experts, boundary = arch.get("experts", 1), arch.get("boundary")
     with torch.device("meta"):
         tr = getattr(diffusers, cls).from_config(config)
-    tr.experts = experts  # Wan2.2 A14B: two transformers of this architecture, one runs per forward
+    tr.experts, tr.boundary = experts, boundary  # Wan2.2 A14B: two transformers of this architecture, the second
+                                                 # below sigma `boundary`
     return tr, family, family.plan_inputs(dict(tr.config), folder, options)
 
 
@@ -247,44 +248,6 @@ def frozen_parts(cfg, arch: dict | None, family) -> tuple[list[torch.nn.Module],
                     for n in sorted(pipe) if (n.startswith("text_encoder") or n == "image_encoder") and (pipe[n] or [None])[0]]
             vae = getattr(diffusers, pipe["vae"][1]).from_config(json.load(open(os.path.join(path, "vae", "config.json"))))
     return [m.to(dtype) for m in text], vae.to(dtype)
-
-
-class LivePeak(TorchDispatchMode):
-    """The peak bytes of live tensors created under it (meta tensors included), not counting `exclude`d storages
-    (the parameters): a storage is live while a tensor created on it is referenced."""
-
-    def __init__(self, exclude: set[int] = frozenset()):
-        super().__init__()
-        self.exclude, self.refs, self.nbytes, self.live, self.peak = exclude, {}, {}, 0, 0
-
-    def _release(self, key: int) -> None:
-        self.refs[key] -= 1
-        if not self.refs[key]:
-            self.live -= self.nbytes.pop(key)
-            del self.refs[key]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                key = t.untyped_storage()._cdata
-                if key in self.exclude:
-                    continue
-                if key not in self.refs:
-                    self.refs[key], self.nbytes[key] = 0, t.untyped_storage().nbytes()
-                    self.live += self.nbytes[key]
-                    self.peak = max(self.peak, self.live)
-                self.refs[key] += 1
-                weakref.finalize(t, self._release, key)
-        return out
-
-
-def decode_peak(vae: torch.nn.Module, z: torch.Tensor) -> tuple[int, torch.Size]:
-    """(peak bytes of live tensors, output shape) of `vae.decode(z)` without gradients; z [n, C, (F,) H, W] (a VAE's
-    latents; diffusers returns `.sample`), or image tokens [n, A] (Janus's VQ model; it returns the pixels)."""
-    with torch.no_grad(), LivePeak({p.untyped_storage()._cdata for p in vae.parameters()}) as live:
-        out = vae.decode(z)
-    return live.peak, getattr(out, "sample", out).shape
 
 
 def param_bytes(module: torch.nn.Module) -> int:

@@ -3,7 +3,8 @@
 A task provides `sample(n, rng) -> list[example]` (an example is a dict with at least "prompt"; "category"
 groups the logged rewards and the benchmark) and `eval_examples() -> list[example]`. Optional:
 `reference_output(example) -> str` (the ground-truth completion that off-policy injection trains on) and
-`baselines() -> {name: metrics}` (printed beside the models by `mmrl eval`). `mmrl validate` (and `train`, before the
+`baselines() -> {name: metrics}` (printed beside the models by `mmrl eval`); `samples_ahead = True` when `sample` reads
+nothing but its rng (the trainer then draws the next iteration's examples early, to load their videos meanwhile). `mmrl validate` (and `train`, before the
 weights load) builds the task once to run its input checks; a class that writes files when built (a dataset it
 renders) sets `writes_files = True` and is built by the trainer only.
 
@@ -81,6 +82,8 @@ class PromptFileTask:
                         "task.kwargs.eval_file=PATH (held-out prompts) or task.kwargs.heldout_fraction=0.1 (a seeded "
                         "split, task.kwargs.split_seed)")
             self.train = self.heldout = examples
+
+    samples_ahead = True  # sample() reads its rng alone (Task)
 
     def sample(self, n, rng):
         return [dict(self.train[rng.randrange(len(self.train))]) for _ in range(n)]

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from mmrl import checkpoint as ckpt
-from mmrl import compose
+from mmrl import compiled, compose
 from mmrl.algorithms import ADVANTAGES
 from mmrl.algorithms.objective import Batch
 from mmrl.algorithms.offpolicy import injection_diagnostics
@@ -51,7 +51,7 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         check_parallel_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any weight loads
         self.dist = Distributed(cfg.train.parallel, cfg.train.context_parallel, cfg.train.cp_kind,
-                                cfg.train.dist_timeout_min)
+                                cfg.train.dist_timeout_min, cfg.train.shard_size)
         ckpt.check_shared_run_dir(cfg.log.out_dir, self.dist)  # several nodes: one run folder they all see
         # the task before the weights: its input errors (an empty prompt file...) come in seconds, not after a load
         with self.dist.main_first():  # a task that writes its data (the grounding world) does it once
@@ -67,6 +67,7 @@ class Trainer:
         if self.dist.world > 1:
             self.policy.dist = self.dist  # policies that must keep ranks in lockstep (FSDP decoding) use it
             self.policy.parallelize(lambda m: self.dist.wrap(m, cfg.train.mixed_precision), cfg.train.parallel)
+        compiled.compile_policy(self.policy, cfg.train)  # after LoRA and DDP / FSDP2 wrapping: they run in the blocks
         self.reward_fn = compose.build_reward(cfg.reward.name, cfg.reward.kwargs)
         self.reward = RewardRunner(self.reward_fn, cfg.reward.on_error, sample_chunk(cfg.train))
         self.eval_reward = self.reward if not cfg.reward.eval_name else RewardRunner(
@@ -128,8 +129,7 @@ class Trainer:
                     stop_run(self, stop.signum)
                 out_of_time = t.time_budget_min > 0 and self.elapsed_min >= t.time_budget_min
                 last = self.iteration == t.iterations or out_of_time
-                timed = cfg.log.eval_every_min and \
-                    self.elapsed_min >= cfg.log.eval_every_min * (1 + len(self.timed_evals))
+                timed = cfg.log.eval_every_min and self.elapsed_min >= cfg.log.eval_every_min * (1 + len(self.timed_evals))
                 if (cfg.log.eval_every and self.iteration % cfg.log.eval_every == 0 or timed) and not last:
                     res = self.evaluate(self.iteration)
                     if timed:
@@ -159,7 +159,7 @@ class Trainer:
         self.policy.iteration = it  # schedules that move with training (sampler.window_schedule=sliding)
         weights = self.reward.at_iteration(it)  # several rewards: their (scheduled) weights at this iteration
         with self.sampling_weights(it):
-            rollout, rewards, valid, metrics = self.collect(random.Random(seed), torch.Generator().manual_seed(seed))
+            rollout, rewards, valid, metrics = self.collect(random.Random(seed), torch.Generator().manual_seed(seed), it)
         metrics.update({f"reward/{k}_weight": w for k, w in (weights or {}).items()})
         shaping = self.shaping  # algo.shaping with its knobs
         extra, stats = self.collect.contrast(rollout, seed) if shaping.needs_contrast else ((), {})

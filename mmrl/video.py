@@ -2,8 +2,12 @@
 
 `load_video(path, VideoOptions)` -> (frames float [T, 3, H, W] in 0..255, metadata {"fps", "frames_indices",
 "total_num_frames"}): qwen-vl-utils samples frames (fps or nframes, clamped to [4, 768], even count) and
-resizes them (min / max / total pixels); the metadata goes to the processor with the frames so the model's
-time axis is right (Qwen2.5-VL absolute time, Qwen3-VL timestamps).
+resizes them (min / max / total pixels, sides multiples of 2 x the model's patch size: `image_patch_size`, 16 for
+Qwen3-VL); the metadata goes to the processor with the frames so the model's time axis is right (Qwen2.5-VL
+absolute time, Qwen3-VL timestamps). `reference_video_tokens` is the token count qwen-vl-utils' sizing gives.
+
+`VideoCache.prefetch` decodes videos in a background thread pool ahead of need (the next batch's, while this one
+samples); `get` then waits for that decode, and a decode error surfaces there, exactly as a synchronous one.
 
 qwen-vl-utils falls back to torchvision on ANY backend error, and torchvision's `read_video` no longer exists,
 so the only error a user would see is a misleading one (ENVIRONMENT.md). mmrl checks the file first
@@ -15,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import os
+import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +45,7 @@ class VideoOptions:
     min_pixels: int | None = None   # per frame; None = qwen-vl-utils' default
     max_pixels: int | None = None
     total_pixels: int | None = None  # budget over all frames
+    image_patch_size: int = 14      # the vision patch (Qwen2/2.5-VL 14, Qwen3-VL 16): frame sides are 2x multiples
 
     def element(self, path: str) -> dict:
         """The qwen-vl-utils / chat-message video element for `path`."""
@@ -114,14 +121,56 @@ def load_video(path: str, opts: VideoOptions = VideoOptions()) -> tuple[torch.Te
 
     check_video_file(path)
     _install_backend(opts.backend)
-    frames, meta = fetch_video(opts.element(path), return_video_metadata=True)
+    frames, meta = fetch_video(opts.element(path), image_patch_size=opts.image_patch_size, return_video_metadata=True)
     meta = {k: (list(map(int, v)) if k == "frames_indices" else v) for k, v in meta.items()}
     return frames, meta
 
 
+def reference_video_tokens(frames: torch.Tensor, merge_size: int = 2, temporal_patch_size: int = 2,
+                           image_patch_size: int = 14) -> int:
+    """Vision tokens of frames [T, 3, H, W] as qwen-vl-utils sized them (the reference preprocessing, whose processor
+    call then keeps that size): T / temporal_patch_size x (H / patch) x (W / patch) / merge_size^2."""
+    t, _, h, w = frames.shape
+    return math.ceil(t / temporal_patch_size) * (h // image_patch_size) * (w // image_patch_size) // merge_size**2
+
+
 class VideoCache(BoundedCache):
     """Decoded videos keyed by (path, options): a video is decoded once and reused for generation and every
-    log-prob pass (and across iterations while it stays cached)."""
+    log-prob pass (and across iterations while it stays cached). workers > 0: `prefetch` decodes in that many
+    background threads (decord and PyAV decode outside the GIL), so decoding overlaps the training thread."""
+
+    def __init__(self, capacity: int = 256, max_bytes: float = 2 * 2**30, workers: int = 0):
+        super().__init__(capacity, max_bytes)
+        self.workers, self._pool, self._pending = workers, None, {}  # key -> Future of load_video
 
     def get(self, path: str, opts: VideoOptions) -> tuple[torch.Tensor, dict]:
-        return super().get((os.path.abspath(path), opts), lambda: load_video(path, opts))
+        key = (os.path.abspath(path), opts)
+        pending = self._pending.pop(key, None)
+        if pending is not None and key not in self:
+            return super().get(key, pending.result)  # waits; re-raises the decode's VideoError here
+        return super().get(key, lambda: load_video(path, opts))
+
+    def prefetch(self, paths: list[str], opts: VideoOptions) -> None:
+        """Start decoding `paths` in the background (no-op without workers, or for a video cached or in flight).
+        Finished decodes nobody asked for yet move into the LRU (bounded); failed ones are dropped and fail
+        again, synchronously, when `get` asks for them."""
+        if not self.workers:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, "video")
+        _install_backend(opts.backend)  # patch qwen-vl-utils once, here, not racing in the workers
+        for key, fut in list(self._pending.items()):
+            if fut.done():
+                del self._pending[key]
+                if fut.exception() is None:
+                    super().get(key, fut.result)
+        for path in paths:
+            key = (os.path.abspath(path), opts)
+            if key not in self and key not in self._pending:
+                self._pending[key] = self._pool.submit(load_video, path, opts)
+
+    def close(self) -> None:
+        """Stop the background decodes (queued ones are cancelled)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool, self._pending = None, {}

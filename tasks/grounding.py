@@ -137,6 +137,8 @@ class GroundingTask:
     --difficulty-filter writes it). scripts/sft_grounding.py passes the same kwargs, so its SFT sees the same data.
     """
 
+    samples_ahead = True  # sample() reads its rng alone: the trainer draws the next batch early to decode its videos
+
     def __init__(self, cfg, format: str = "charades_sta", annotations: str = "", video_dir: str = "",
                  durations: str | None = None, eval_annotations: str | None = None, eval_video_dir: str | None = None,
                  eval_durations: str | None = None, prompt: str = GROUNDING_PROMPT,

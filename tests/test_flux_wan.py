@@ -176,13 +176,66 @@ def test_wan22_experts_in_lockstep_run_both_on_every_call(tmp_path):
     sigma = torch.tensor([0.9, 0.95])                               # both rows on the high-noise expert
     alone = pol.model.velocity(x, sigma, enc, pooled)
     assert calls == ["transformer"]
-    pol.model.lockstep, calls[:] = True, []
+    pol.model.lockstep, calls[:] = (lambda need: [True, True]), []  # another rank needs the other expert
     together = pol.model.velocity(x, sigma, enc, pooled)
     assert calls == ["transformer", "transformer_2"]
     torch.testing.assert_close(together, alone)
     together.square().mean().backward()
     idle = [p.grad for n, p in pol.model.transformer_2.named_parameters() if p.requires_grad]
     assert idle and all(g is not None and g.abs().max() == 0 for g in idle)
+
+
+class OtherRank:
+    """A process group of two ranks whose other rank's rows all need the low-noise expert."""
+    syncs = True
+
+    @staticmethod
+    def any_rank(flags):
+        return [flags[0], True]
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "hsdp"])
+def test_wan22_lockstep_only_where_ranks_differ(tmp_path, parallel):
+    """Rows per expert call, counted. Sampling (every rank's rows at the step's sigma) runs one expert per call: the
+    CFG batch of 2 rows, no idle row. Training scores rows at sigmas of both experts; an expert this rank does not
+    need runs one idle row only where its call is a collective: under FSDP2 when some rank needs it (decided per
+    call, also for calls without gradients), under DDP and HSDP in the backward that synchronizes, HSDP as FSDP2
+    in the others."""
+    path = str(tmp_path / "wan22")
+    build_tiny("wan", two_experts=True).save_pretrained(path)
+    pol = policy(path, "model.sample_size=4", "model.num_frames=5", "model.lora.enabled=true", "model.lora.rank=4",
+                 "sampler.cfg_scale=4.0", "sampler.cfg_grad=cond")
+    pol.dist = OtherRank()
+    pol.parallelize(lambda m: m, parallel)                           # the calls as several processes make them
+    calls = []
+    for name, tr in pol.experts():
+        tr.register_forward_pre_hook(lambda m, a, kw, name=name: calls.append((name, len(kw["hidden_states"]))),
+                                     with_kwargs=True)
+    ro = pol.sample(PROMPTS[:1], 1, torch.Generator().manual_seed(0))
+    high = sum(float(s) >= pol.model.boundary for s in pol.sigmas[:-1])
+    assert calls == [("transformer", 2)] * high + [("transformer_2", 2)] * (4 - high)  # 4 steps, [uncond | cond]
+    first = ro.extras["sigma"][0] >= pol.model.boundary              # [A] the trained steps' expert
+    assert first.any() and (~first).any()                           # the window spans both experts
+    calls[:] = []
+    pol.log_prob(ro, torch.tensor([0]))                              # all actions: rows of both experts
+    assert calls == [("transformer", int(first.sum())), ("transformer_2", int((~first).sum()))] * 2  # uncond, cond
+    mine, idle = ("transformer", int(first.sum())), ("transformer_2", 1)
+    for syncs in (False, True):                                      # no_sync passes, then a step's last
+        pol.dist.syncs, calls[:] = syncs, []
+        pol.log_prob(ro, torch.tensor([0]), actions=first[None])      # this rank: one expert's actions only
+        other_rank = [mine, idle] * 2                                # (uncond, cond) as the other rank needs
+        assert calls == {"fsdp": other_rank, "hsdp": other_rank, "ddp": [mine, mine, idle] if syncs else [mine] * 2
+                         }[parallel]
+    calls[:] = []
+    with torch.no_grad():                                            # a frozen forward (KL reference, EMA): one
+        pol.log_prob(ro, torch.tensor([0]), actions=first[None])     # batched [uncond | cond] call
+    batched = ("transformer", 2 * int(first.sum()))
+    assert calls == ([batched] if parallel == "ddp" else [batched, idle])
+    pol.dist.any_rank = lambda flags: flags                          # every rank on the same expert: no idle row
+    calls[:] = []
+    pol.dist.syncs = False
+    pol.log_prob(ro, torch.tensor([0]), actions=first[None])
+    assert calls == [mine] * 2
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 4.0])

@@ -19,12 +19,12 @@ LAYERS = [
      "mmrl.models.qwen_vl", "mmrl.sampling.*", "mmrl.rollout", "mmrl.rollout.engine",
      "mmrl.context_parallel"],
     # 1 building blocks: algorithms, models, samplers, rollout engines
-    ["mmrl.video", "mmrl.algorithms.*", "mmrl.models.flow_model", "mmrl.models.pipelines", "mmrl.models.shard_load", "mmrl.models.families.*",
+    ["mmrl.video", "mmrl.algorithms.*", "mmrl.models.flow_model", "mmrl.models.pipelines", "mmrl.models.shard_load", "mmrl.models.decode_batch", "mmrl.models.families.*",
      "mmrl.models.tiny_pipelines", "mmrl.rollout.vllm_engine",
      "mmrl.rollout.contrast",
      "mmrl.rollout.tree"],
     # 2 the interfaces and their registries
-    ["mmrl.policy.*", "mmrl.reward", "mmrl.task", "mmrl.rollout.pairwise", "mmrl.distributed", "mmrl.evaluation", "mmrl.report",
+    ["mmrl.policy.*", "mmrl.reward", "mmrl.task", "mmrl.rollout.pairwise", "mmrl.distributed", "mmrl.compiled", "mmrl.evaluation", "mmrl.report",
      "mmrl.rollout.collect"],
     # 3 plugins: the built-in rewards and tasks, which mmrl reaches only through registry strings; a reward may
     #   import a task (its world's vocabulary), never the reverse (test_tasks_never_import_rewards)

@@ -389,3 +389,24 @@ def test_janus_pro_7b_measured_at_world_8():
     assert p["startup_gib"] == pytest.approx(p["peak_loading_gib"], rel=1e-3) and p["peak_gib"] == p["startup_gib"]
     assert p["sampling_added_gib"] > p["sampling_chain_gib"] and p["decode_added_gib"] == pytest.approx(
         p["vae_decode_transient_gib"], rel=0.05)
+
+
+def test_two_experts_idle_rows_are_counted_where_they_run():
+    """Wan2.2 under several processes (FlowPolicy._lockstep): a step whose last training forward holds one expert's
+    transitions runs the other expert on one idle row with gradients under DDP and HSDP; FSDP2 decides per call and
+    adds none while the ranks' micro-batches hold the same steps; one process adds none."""
+    from types import SimpleNamespace
+
+    from mmrl.plan import _idle_expert_rows, _rows
+
+    def idle(parallel, world, *items):
+        cfg = load_config("configs/t2v/wan22_a14b_lora.yaml", [f"train.parallel={parallel}", *items])
+        return _idle_expert_rows(cfg, SimpleNamespace(experts=2, boundary=0.875), _rows(cfg.train, world), 19, False)
+
+    # 20 steps at shift 12: 13 trained steps of the high-noise expert, then 6; a micro-batch of 1 transition ends
+    # each step on the low-noise expert alone: one idle row per optimizer step and rank
+    steps = lambda t: t.minibatches // t.grad_accum * t.inner_epochs  # noqa: E731
+    t = load_config("configs/t2v/wan22_a14b_lora.yaml").train
+    assert idle("ddp", 8, "train.micro_batch=1") == idle("hsdp", 8, "train.micro_batch=1") == 8 * steps(t) > 0
+    assert idle("fsdp", 8, "train.micro_batch=1") == 0 and idle("ddp", 1, "train.micro_batch=1") == 0
+    assert idle("ddp", 8, "train.micro_batch=0") == 0                 # one forward of every step: both experts

@@ -24,7 +24,7 @@ def run(*args):
                                     "scripts/bench_text_length.py", "scripts/bench_judges.py",
                                     "scripts/bench_vlm_rewards.py", "scripts/geneval_agreement.py",
                                     "scripts/turn_rule_noise.py", "scripts/flux_nan_matrix.py",
-                                    "benchmarks/bench_cfg_grad.py"])
+                                    "benchmarks/bench_cfg_grad.py", "benchmarks/bench_compile.py"])
 def test_help(script):
     r = run(script, "--help")
     assert r.returncode == 0 and "usage" in r.stdout

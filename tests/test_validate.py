@@ -285,13 +285,9 @@ def test_settings_that_contradict_a_component_are_refused_by_its_declaration(tmp
     """Combinations that used to fail only after the model loaded (or trained the wrong thing) are refused by
     `mmrl validate` in one line naming the fix, written from the components' declarations: a forward-process
     objective under CFG (composed from the SD3.5 GenEval recipe), a weighting / KL that reads flow statistics on a
-    token policy, and vLLM with a VLM folder. algo.kl=auto resolves from the same declarations."""
+    token policy. algo.kl=auto resolves from the same declarations."""
     from mmrl.compose import load_config
 
-    vlm = tmp_path / "vlm"
-    vlm.mkdir()
-    (vlm / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
-    (vlm / "preprocessor_config.json").write_text("{}")
     token = os.path.join(ROOT, "configs/grounding/synthetic_grpo.yaml")
     cases = [
         ([os.path.join(ROOT, "configs/t2i/sd35_geneval_lora.yaml"), "algo.objective.name=nft",
@@ -299,7 +295,6 @@ def test_settings_that_contradict_a_component_are_refused_by_its_declaration(tmp
         ([os.path.join(ROOT, "configs/t2i/shapes_awm.yaml"), "sampler.cfg_scale=4.0"], "set sampler.cfg_scale=1"),
         ([token, "algo.weighting=tempflow"], "set algo.weighting to one of ['none']"),
         ([token, "algo.kl_coef=0.1", "algo.kl=flow_mean", "model.reference=auto"], "set algo.kl to one of"),
-        ([token, f"model.path={vlm}", "sampler.engine=vllm"], "set sampler.engine=prefix_cache"),
     ]
     for args, fix in cases:
         rc, err, _ = validate(capsys, *args)

@@ -50,7 +50,9 @@ class FlowModel:
     schedule: Callable[[int, float], torch.Tensor] = static_schedule  # (steps, sampler.shift) -> sigmas [S + 1]
     transformer_2: torch.nn.Module | None = None  # Wan2.2 A14B: the low-noise expert, used below `boundary`
     boundary: float | None = None                # sigma at which transformer_2 takes over (boundary_ratio)
-    lockstep: bool = False                       # several processes: both experts run on every call (see _forward)
+    lockstep: Callable[[list[bool]], list[bool]] | None = None  # training forwards of several processes (ranks at
+                                                 # different sigmas): this call's need of each expert -> the experts
+                                                 # it runs, the same on every rank (see _forward)
     cfg_grad: str = "full"                       # the gradient through CFG: full | cond (unconditional branch detached)
     encode_latents: Callable | None = None       # images [N, 3, sH, sW] in [-1, 1] -> x0 latents [N, *latent_shape]
                                                  # (VAE encode; offline data: preference pairs)
@@ -115,18 +117,24 @@ class FlowModel:
         return self.decode(traj.latents[:, -1])
 
     def _forward(self, x, sigma, enc, pooled):
-        """One transformer forward (rows at sigma >= boundary on transformer, the rest on transformer_2). With
-        `lockstep` (several processes: each expert is a DDP / FSDP module whose calls are collectives) both experts
-        run on every call, in the same order on every rank: one without rows runs one row whose output enters the
-        result times 0 (its parameters get zero gradients, as DDP's reducer expects)."""
+        """One transformer forward (rows at sigma >= boundary on transformer, the rest on transformer_2). A call
+        runs the experts its rows need. In `lockstep` (training under several processes, where ranks hold rows at
+        different sigmas and an expert's call may be a collective: DDP's reducer in a backward that synchronizes,
+        FSDP2's all-gather always) it runs the experts `lockstep` names, the same on every rank and in one order: one
+        without rows here runs one row whose output enters the result times 0 (its parameters get zero gradients, as
+        DDP's reducer expects). Sampling needs no lockstep: every rank's rows share the step's sigma."""
         if self.transformer_2 is None:
             return self._expert(self.transformer, x, sigma, enc, pooled)
         high = sigma >= self.boundary                                                    # [N]
-        if not self.lockstep and (bool(high.all()) or not bool(high.any())):
-            return self._expert(self.transformer if bool(high.all()) else self.transformer_2, x, sigma, enc, pooled)
+        need = [bool(high.any()), not bool(high.all())]
+        run = need if self.lockstep is None else self.lockstep(need)
+        if need == run and sum(run) == 1:
+            return self._expert(self.transformer if need[0] else self.transformer_2, x, sigma, enc, pooled)
         out, unused = x.new_zeros(x.shape, dtype=torch.float32), 0.0
-        for expert, rows in ((self.transformer, high.nonzero().squeeze(1)),
-                             (self.transformer_2, (~high).nonzero().squeeze(1))):
+        for expert, rows, runs in ((self.transformer, high.nonzero().squeeze(1), run[0]),
+                                   (self.transformer_2, (~high).nonzero().squeeze(1), run[1])):
+            if not runs:
+                continue
             if len(rows):
                 out = out.index_put((rows,), self._expert(expert, x[rows], sigma[rows], enc[rows], pooled[rows]))
             else:

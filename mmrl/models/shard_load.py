@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from mmrl.config import SHARDED
 from mmrl.errors import ConfigError
 
 READ_BATCH = 256 * 2**20  # bytes read through one safetensors mapping before it is reopened (its pages count as
@@ -61,7 +62,7 @@ def sharded_start(cfg, dist) -> bool:
     """Whether a run builds its trained model on the meta device and reads it into FSDP2 shards: FSDP on several
     processes, full fine-tuning or LoRA (the frozen base then sharded in model.dtype, the adapters started by
     `init_adapters`); each policy adds what else it needs (safetensors weights, no model.offload)."""
-    return dist is not None and dist.world > 1 and dist.parallel == "fsdp"
+    return dist is not None and dist.world > 1 and dist.parallel in SHARDED
 
 
 def is_adapter(name: str) -> bool:

@@ -72,6 +72,17 @@ class PolicyDefaults:
     def sync_weights(self) -> None:
         pass
 
+    def prefetch(self, examples: list[dict]) -> None:
+        """Start loading the media of examples that a later `sample` will be given (e.g. decoding videos in the
+        background); results never depend on it."""
+
+    def rollout_counts(self) -> dict[str, list[int]]:
+        """{name: per-prompt counts} of the prompts sampled since the last call (logged as rollout/NAME_mean, _max)."""
+        return {}
+
+    def close(self) -> None:
+        """Release background workers at the end of a run."""
+
     def context_parallel(self, mesh, kind: str) -> None:
         raise ConfigError(f"{type(self).__name__} has no context parallelism: set train.context_parallel=1")
 

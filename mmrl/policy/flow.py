@@ -21,10 +21,12 @@ import os
 import torch
 
 from mmrl.cache import BoundedCache
+from mmrl.config import SHARDED
 from mmrl.data import PolicyOutput, Rollout, condition_images, group_ids, load_image
 from mmrl.errors import ConfigError
 from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, save_lora_adapter, upcast_trainable,
                               write_policy_meta)
+from mmrl.models.decode_batch import decode_rows
 from mmrl.models.families import lora_targets
 from mmrl.models.flow_model import EXPERTS, FlowModel
 from mmrl.models.shard_load import copy_shards, init_adapters, load_into_shards
@@ -54,6 +56,7 @@ class FlowPolicy(PolicyDefaults):
 
         self.model, self.cfg, self.model_path, self.progress = model, sampler_cfg, model_path, progress
         self.model.cfg_grad = sampler_cfg.cfg_grad
+        self._parallel = None  # train.parallel once parallelize wrapped the experts
         self.tree = tree_cfg or TreeConfig()
         self.model_options = model_options or {}  # how the base was loaded (sample_size ...), kept in checkpoints
         first = next(model.transformer.parameters())
@@ -235,7 +238,7 @@ class FlowPolicy(PolicyDefaults):
             old_log_prob = traj.log_prob[:, p]
         extras.update(enc=enc, pooled=pooled)                            # [N, L, D], [N, P]
         with self._onload(self.autoencoders):  # model.offload: the VAE visits the device to decode
-            images = in_chunks(self.model.decode, self.micro_batch, traj.latents[:, -1])
+            images = decode_rows(self.model.decode, traj.latents[:, -1], self.micro_batch)  # VAE: memory-bounded
         return Rollout(group_id=group_ids(len(texts), group_size)[rows], old_log_prob=old_log_prob,
                        action_mask=torch.ones(old_log_prob.shape, dtype=torch.bool),
                        examples=[examples[i // group_size] for i in rows.tolist()], outputs=images, extras=extras)
@@ -358,8 +361,12 @@ class FlowPolicy(PolicyDefaults):
         old = rollout.old_log_prob[index].to(self.device)
         images = self.images([rollout.examples[i] for i in index.tolist()])
         images = None if images is None else [images[i] for i in rows.tolist()]
-        v = self._velocity_fn(e["enc"][rows], e["pooled"][rows], chunked=False, images=images)(
-            pick(e["latents"]), pick(e["sigma"])).float()
+        self.model.lockstep = self._lockstep if self._parallel else None  # ranks score rows at different sigmas
+        try:
+            v = self._velocity_fn(e["enc"][rows], e["pooled"][rows], chunked=False, images=images)(
+                pick(e["latents"]), pick(e["sigma"])).float()
+        finally:
+            self.model.lockstep = None
         if self.objective == "forward":  # the negative flow-matching loss of each noise level (§10)
             lp = -(v - pick(e["target"])).pow(2).flatten(1).mean(1)
             return PolicyOutput(place(old, lp), {"velocity": place(e["old_velocity"], v), "sigma": e["sigma"],
@@ -420,15 +427,15 @@ class FlowPolicy(PolicyDefaults):
     def parallelize(self, wrap, parallel: str) -> None:
         """DDP wraps each transformer (gradients all-reduced during backward); FSDP2 shards it in place. Every
         transformer call goes through the result; the frozen text encoders and VAE stay replicated. Two experts
-        (Wan2.2) run in lockstep: both on every call, so every rank issues the same collectives. FSDP2 also shards
-        a frozen KL reference copy (full fine-tuning), which would otherwise be a whole replica on every GPU."""
+        (Wan2.2) score in lockstep (`_lockstep`), so every rank issues the same collectives. FSDP2 also shards a
+        frozen KL reference copy (full fine-tuning), which would otherwise be a whole replica on every GPU."""
         for name, tr in self.experts():
             setattr(self.model, name, wrap(tr))
-        self.model.lockstep = self.model.transformer_2 is not None
-        if parallel == "fsdp" and self._ref_copy is not None and not self.offload:
+        self._parallel = parallel if self.model.transformer_2 is not None else None
+        if parallel in SHARDED and self._ref_copy is not None and not self.offload:
             self._ref_copy = {name: wrap(ref) for name, ref in self._ref_copy.items()}
         if self._pending:  # built on the meta device: each rank reads its shards, the reference copies them
-            if parallel != "fsdp":
+            if parallel not in SHARDED:
                 raise RuntimeError(f"transformers built on the meta device are loaded into FSDP shards; "
                                    f"train.parallel={parallel} has none")
             experts = dict(self.experts())
@@ -439,6 +446,15 @@ class FlowPolicy(PolicyDefaults):
                 if self._ref_copy is not None:
                     copy_shards(experts[name], self._ref_copy[name], self.device)
             self._pending = []
+
+    def _lockstep(self, need: list[bool]) -> list[bool]:
+        """The experts a training call runs on every rank, given this rank's `need`. A backward that synchronizes
+        gradients runs both under DDP and HSDP (DDP's reducer waits for every parameter; HSDP all-reduces across
+        nodes the shards each backward of the step accumulated); otherwise FSDP2 and HSDP run those some rank needs
+        (each call all-gathers; one decision per call), DDP this rank's own (no collective runs)."""
+        if torch.is_grad_enabled() and self.dist.syncs and self._parallel != "fsdp":
+            return [True, True]
+        return need if self._parallel == "ddp" else self.dist.any_rank(need)
 
     def _start_adapters(self, name: str, tr: torch.nn.Module) -> None:
         """Expert `name`'s LoRA adapters at their start, whole or in their shards (init_adapters, its own seed)."""

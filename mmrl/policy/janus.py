@@ -47,6 +47,7 @@ import os
 import torch
 
 from mmrl.cache import BoundedCache
+from mmrl.config import SHARDED
 from mmrl.data import PolicyOutput, Rollout, group_ids
 from mmrl.errors import ConfigError, MissingFile
 from mmrl.models.shard_load import (copy_shards, init_adapters, load_into_shards, shardable_weights, sharded_start,
@@ -302,10 +303,10 @@ class JanusPolicy(PolicyDefaults):
         all go through them, so every rank runs the same forwards (A steps per chunk, and Distributed.sample gives
         every rank as many rows under FSDP). Built on the meta device: each rank then reads only its shards."""
         self.lm = wrap(self.lm)
-        if parallel == "fsdp" and self._ref is not None:
+        if parallel in SHARDED and self._ref is not None:
             self._ref = wrap(self._ref)
         if self._pending:
-            if parallel != "fsdp":
+            if parallel not in SHARDED:
                 raise RuntimeError(f"Janus's image-token path built on the meta device is loaded into FSDP shards; "
                                    f"train.parallel={parallel} has none")
             load_into_shards(self.lm, self.model_path, self.device, prefix="model.")

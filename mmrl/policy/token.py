@@ -18,6 +18,7 @@ taken at the sampling temperature (logits / T) with a selective log-softmax that
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from mmrl.policy.base import (PolicyDefaults, base_model_path, load_lora_adapter
                               save_lora_adapter, upcast_trainable, write_policy_meta)
 from mmrl.rollout.engine import ENGINES, PrefixCacheEngine, SamplingParams, completion_mask
 from mmrl.cache import BoundedCache
-from mmrl.config import sample_chunk
+from mmrl.config import SHARDED, sample_chunk
 from mmrl.video import VideoCache, VideoError, VideoOptions
 
 log = logging.getLogger(__name__)
@@ -54,16 +55,22 @@ class TokenPolicy(PolicyDefaults):
     def __init__(self, *, model, processor, sampler_cfg, lora_cfg, video: VideoOptions | None = None,
                  freeze_vision: bool = True, reference: str = "auto", model_path: str = "",
                  video_on_error: str = "raise", cache_size: int = 512, shared_prefix: bool = True,
-                 micro_batch: int = 0, cache_mb: float = 2048):
+                 micro_batch: int = 0, cache_mb: float = 2048, prefetch_workers: int = 0):
         self.shared_prefix = shared_prefix
         self.micro_batch = micro_batch  # sequences per forward in generation and old log-probs; 0 = all
         self.model, self.processor, self.cfg, self.model_path = model, processor, sampler_cfg, model_path
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.is_vlm = self.tokenizer is not processor
-        self.video_opts = video or VideoOptions()
+        # frames sized as qwen-vl-utils sizes them for this model: sides multiples of 2 x its vision patch
+        vp = getattr(processor, "video_processor", None)
+        self.video_opts = dataclasses.replace(video or VideoOptions(),
+                                              **({"image_patch_size": vp.patch_size} if vp is not None else {}))
         self.video_on_error = video_on_error
-        # decoded videos and processed prompts (their patches): bounded by count and by bytes each
-        self.videos = VideoCache(cache_size, cache_mb * 2**20)
+        # decoded videos and processed prompts (their patches): bounded by count and by bytes each; videos decode in
+        # prefetch_workers background threads when the trainer announces a batch ahead (`prefetch`)
+        self.videos = VideoCache(cache_size, cache_mb * 2**20, prefetch_workers)
+        self._merge = getattr(vp, "merge_size", 2)  # vision patches merged per token side
+        self.video_tokens: list[int] = []  # vision tokens of each video prompt sampled since `rollout_counts`
         self._prompts = BoundedCache(cache_size, cache_mb * 2**20)
         self.skipped_examples = 0
         # True: rollouts carry NaN old log-probs and the trainer takes them from its first forward (exact
@@ -122,22 +129,44 @@ class TokenPolicy(PolicyDefaults):
         # processor is the tokenizer itself for causal LMs
         text = self.processor.apply_chat_template(self._messages(ex), tokenize=False, add_generation_prompt=True)
         if not self.is_vlm:
-            enc = dict(self.tokenizer([text], return_tensors="pt", add_special_tokens=False))
-        elif ex.get("video"):
+            return dict(self.tokenizer([text], return_tensors="pt", add_special_tokens=False))
+        media = self._media(ex)
+        if "video" in media:
+            (frames, meta), = media["video"]
+            # qwen-vl-utils sized the frames; the processor's resize applies the reference per-frame cap
+            # (cap_pixels_per_frame), so a video costs the tokens it costs there
+            return dict(self.processor(text=[text], videos=[frames], video_metadata=[meta], do_sample_frames=False,
+                                       cap_pixels_per_frame=True, return_tensors="pt"))
+        return dict(self.processor(text=[text], images=media.get("image"), return_tensors="pt"))
+
+    def _media(self, ex: dict) -> dict:
+        """The decoded media of one example as the processor takes them: {"video": [(frames [T, C, H, W] 0..255,
+        metadata)]} (in the example's shuffled order, if any), {"image": [PIL image]}, or {} for text."""
+        if ex.get("video"):
             frames, meta = self.videos.get(ex["video"], self.video_opts)
             if ex.get("shuffle_frames") is not None:  # contrast rollouts (T-GRPO): a fixed permutation per seed
                 gen = torch.Generator().manual_seed(int(ex["shuffle_frames"]))
                 frames = frames[torch.randperm(len(frames), generator=gen)]      # [T, C, H, W] in shuffled order
-            enc = dict(self.processor(text=[text], videos=[frames], video_metadata=[meta], do_sample_frames=False,
-                                      return_tensors="pt"))
-        elif ex.get("image") is not None:
+            return {"video": [(frames, meta)]}
+        if ex.get("image") is not None:
             from PIL import Image
 
             img = ex["image"] if not isinstance(ex["image"], str) else Image.open(ex["image"]).convert("RGB")
-            enc = dict(self.processor(text=[text], images=[img], return_tensors="pt"))
-        else:
-            enc = dict(self.processor(text=[text], return_tensors="pt"))
-        return enc
+            return {"image": [img]}
+        return {}
+
+    def engine_prompt(self, ex: dict) -> dict:
+        """One prompt for an engine that runs the model's processor itself (vLLM): "prompt_ids", the chat text's ids
+        with each image / video as its one un-expanded placeholder token, and "media", the decoded media the
+        policy's processor saw (`_media`). The engine's expansion must give encode_prompt's input_ids."""
+        text = self.processor.apply_chat_template(self._messages(ex), tokenize=False, add_generation_prompt=True)
+        return {"prompt_ids": self.tokenizer(text, add_special_tokens=False).input_ids, "media": self._media(ex)}
+
+    def _engine_prompts(self, examples: list[dict]) -> list[dict] | None:
+        """engine_prompt of each example when the engine takes media (a VLM on vLLM), else None."""
+        if not (self.is_vlm and getattr(self.engine, "takes_media", False)):
+            return None
+        return [self.engine_prompt(ex) for ex in examples]
 
     def _collate(self, prompts: list[dict], completions: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Left-pad prompts and append completions [n, C] (pads after EOS get attention 0); media concatenated."""
@@ -179,6 +208,19 @@ class TokenPolicy(PolicyDefaults):
             raise RuntimeError("no example of this batch has a readable video; see the warnings above")
         return ok
 
+    def prefetch(self, examples: list[dict]) -> None:
+        """Start decoding the videos of `examples` in the background (video.prefetch_workers threads)."""
+        self.videos.prefetch([ex["video"] for ex in examples if isinstance(ex.get("video"), str)], self.video_opts)
+
+    def rollout_counts(self) -> dict[str, list[int]]:
+        """Per-prompt counts since the last call, for the rollout logs: video_tokens (vision tokens of each sampled
+        video prompt; VLMs only)."""
+        counts, self.video_tokens = self.video_tokens, []
+        return {"video_tokens": counts} if self.is_vlm else {}
+
+    def close(self) -> None:
+        self.videos.close()
+
     samples_rows = True  # sample(rows=...) gives whole groups of a batch, the same on any rank
 
     @torch.no_grad()
@@ -192,8 +234,11 @@ class TokenPolicy(PolicyDefaults):
         usable = {id(ex) for ex in self._usable([examples[g] for g in groups])}
         groups = [g for g in groups if id(examples[g]) in usable]
         params = SamplingParams(self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p, group_size)
-        completions, engine_lp = self._generate([self.encode_prompt(examples[g]) for g in groups], params, seed,
-                                                [seed + g * group_size for g in groups])      # [N, C]
+        prompts = [self.encode_prompt(examples[g]) for g in groups]
+        self.video_tokens += [int(p["video_grid_thw"].prod(-1).sum()) // self._merge ** 2 for p in prompts
+                              if "video_grid_thw" in p]
+        completions, engine_lp = self._generate(prompts, params, seed, [seed + g * group_size for g in groups],
+                                                self._engine_prompts([examples[g] for g in groups]))  # [N, C]
         gid = torch.tensor(groups, dtype=torch.long).repeat_interleave(group_size)
         return self._rollout([examples[g] for g in groups for _ in range(group_size)], completions, gid,
                              engine_lp=engine_lp)
@@ -215,16 +260,19 @@ class TokenPolicy(PolicyDefaults):
             ro.old_log_prob = self.old_log_prob(ro, torch.arange(len(ro)))
         return ro
 
-    def _generate(self, prompts: list[dict], params: SamplingParams, seed: int, group_seeds: list[int] | None = None):
+    def _generate(self, prompts: list[dict], params: SamplingParams, seed: int, group_seeds: list[int] | None = None,
+                  engine_prompts: list[dict] | None = None):
         """Completions [len(prompts) * G, C] (CPU), generated for micro_batch // G prompts at a time (all at once
         when micro_batch is 0); chunk c samples with seed + c, and chunks are right-padded to one width. With them
         the engine's log-probs of the sampled tokens [len(prompts) * G, C] (NaN-padded), or None when the engine
-        keeps none."""
+        keeps none. engine_prompts: `_engine_prompts` of the same prompts, passed on to an engine that takes media."""
         per = max(1, self.micro_batch // params.group_size) if self.micro_batch else len(prompts)
         parts, lps = [], []
         for i in range(0, len(prompts), per):
             gs = group_seeds[i:i + per] if group_seeds is not None else None
-            parts.append(self.engine.generate(self._collate(prompts[i:i + per]), params, seed + i // per, gs).cpu())
+            kw = {"prompts": engine_prompts[i:i + per]} if engine_prompts is not None else {}
+            parts.append(self.engine.generate(self._collate(prompts[i:i + per]), params, seed + i // per, gs,
+                                              **kw).cpu())
             lps.append(getattr(self.engine, "last_logprobs", None))
         width = max(p.shape[1] for p in parts)
         ids = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=self.pad_id) for p in parts])
@@ -379,9 +427,9 @@ class TokenPolicy(PolicyDefaults):
         model is sharded in place, and since every forward all-gathers parameters on all ranks, every rank must
         run the same forwards: decoding runs until all ranks are done (prefix-cache engine only), old log-probs
         pad to the most chunks. Both: one forward per scoring call (the shared-prefix pass is turned off)."""
-        if parallel == "fsdp":
+        if parallel in SHARDED:
             if not isinstance(self.engine, PrefixCacheEngine):
-                raise ConfigError("train.parallel=fsdp needs sampler.engine=prefix_cache for token policies")
+                raise ConfigError(f"train.parallel={parallel} needs sampler.engine=prefix_cache for token policies")
             # on the trainer's Distributed (set before parallelize): its CPU group, as NCCL has no CPU backend
             self.engine.all_done = self.dist.all_true
             self.pad_forwards = lambda n: self.dist.max_int(n) - n
@@ -403,7 +451,8 @@ class TokenPolicy(PolicyDefaults):
         usable = self._usable(examples) if self.video_on_error == "skip" else examples
         keep = {id(ex) for ex in usable}
         params = SamplingParams(self.cfg.max_new_tokens, 0.0, 1.0, 1)
-        texts = iter(self.decode(self._generate([self.encode_prompt(ex) for ex in usable], params, seed)[0]))
+        texts = iter(self.decode(self._generate([self.encode_prompt(ex) for ex in usable], params, seed, None,
+                                                self._engine_prompts(usable))[0]))
         return [next(texts) if id(ex) in keep else "" for ex in examples]
 
     # ---------------------------------------------------------------------------------------- save/load
@@ -430,15 +479,6 @@ def is_vlm_folder(path: str) -> bool:
     """Whether a transformers folder holds a VLM (an image / video processor config beside the model), read from the
     file names alone: what `mmrl validate` and the loader decide alike, before any weight loads."""
     return any(os.path.isfile(os.path.join(path, f)) for f in VLM_FILES)
-
-
-def check_token_config(cfg) -> None:
-    """What model.policy=token cannot honour, found before the model loads (mmrl validate, the start of train)."""
-    path = cfg.model.path
-    if cfg.sampler.engine == "vllm" and os.path.isdir(path) and is_vlm_folder(path):
-        raise ConfigError(f"sampler.engine=vllm serves text-only policies, and model.path={path!r} is a VLM (it has "
-                          f"a processor config): set sampler.engine=prefix_cache (each prompt and its media prefilled "
-                          f"once per group)")
 
 
 def load_token_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -476,10 +516,8 @@ def build_token_policy(cfg) -> TokenPolicy:
     return TokenPolicy(model=model, processor=processor, sampler_cfg=cfg.sampler, lora_cfg=cfg.model.lora, video=opts,
                        freeze_vision=cfg.model.freeze_vision, reference=reference_kind(cfg), model_path=path,
                        video_on_error=v.on_error, cache_size=v.cache_size, shared_prefix=cfg.model.shared_prefix,
-                       micro_batch=sample_chunk(cfg.train), cache_mb=v.cache_mb)
+                       micro_batch=sample_chunk(cfg.train), cache_mb=v.cache_mb, prefetch_workers=v.prefetch_workers)
 
-
-build_token_policy.check_config = check_token_config  # mmrl validate runs it before any weight loads
 
 
 def load_token_policy(path: str, video: VideoOptions | None = None, video_on_error: str = "raise",

@@ -28,8 +28,31 @@ class Collector:
     def close(self) -> None:
         if self.reward_pool is not None:
             self.reward_pool.shutdown()
+        getattr(self.policy, "close", lambda: None)()  # optional (PolicyDefaults): a plugin policy may lack it
 
-    def __call__(self, rng: random.Random, gen: torch.Generator):
+    def __call__(self, rng: random.Random, gen: torch.Generator, iteration: int | None = None):
+        """`collect` (below), with the rollout counts the policy reports (rollout/video_tokens_mean, _max: every
+        rank's prompts). iteration: the trainer's; when the task draws from its rng alone (`samples_ahead`), the next
+        iteration's examples (drawn as the trainer will: rng seeded derive_seed(seed, "iteration", it + 1)) start
+        loading their media in the background now, so their videos decode while this iteration samples."""
+        t = self.cfg.train
+        if iteration is not None and iteration + 1 < t.iterations and getattr(self.task, "samples_ahead", False):
+            ahead = random.Random(derive_seed(t.seed, "iteration", iteration + 1))
+            self.prefetch(self.task.sample(t.prompts_per_iter, ahead))
+        rollout, rewards, valid, metrics = self.collect(rng, gen)
+        for name, counts in sorted(getattr(self.policy, "rollout_counts", dict)().items()):
+            counts = self.dist.gather_list(counts)
+            if counts:
+                metrics[f"rollout/{name}_mean"] = sum(counts) / len(counts)
+                metrics[f"rollout/{name}_max"] = max(counts)
+        return rollout, rewards, valid, metrics
+
+    def prefetch(self, examples: list[dict]) -> None:
+        """Start loading the media of this rank's share of a whole batch `examples` (Distributed.sample's groups)."""
+        if hasattr(self.policy, "prefetch"):
+            self.policy.prefetch([examples[i] for i in self.dist.share(len(examples))])
+
+    def collect(self, rng: random.Random, gen: torch.Generator):
         """Sample B groups and score them: this rank's whole groups, with global group ids. With
         algo.dynamic_sampling (DAPO), groups whose rewards have zero std are replaced by freshly sampled ones for up
         to dynamic_sampling_tries extra rounds (zero-std groups fill what is still missing, so the batch always

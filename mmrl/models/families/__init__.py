@@ -59,7 +59,7 @@ class Family:
     lora_targets: tuple[str, ...]  # peft target-module suffixes
     plan_inputs: Callable[[dict, str | None, LoadOptions], PlanInputs]  # (transformer config, folder or None, opts)
     lora_pipeline: str | None = None  # diffusers pipeline whose save_lora_weights / load_lora_weights read its adapters
-    architectures: dict[str, dict] = field(default_factory=dict)  # --arch name -> {"config", "experts"?}
+    architectures: dict[str, dict] = field(default_factory=dict)  # --arch name -> {"config", "experts"?, "boundary"?}
     frozen_parts: tuple = ((), None)  # ([(transformers class, config class, config)], (diffusers VAE class, config))
     tiny: Callable[..., Any] | None = None  # (seed) -> a tiny random-init pipeline of the real classes
     condition_images: int = 0      # images an example carries as conditioning (edits, image-to-video); 0 = none

@@ -45,6 +45,7 @@ def vae_decoder(vae):
         latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         return vae.decode(latents, return_dict=False)[0].float().clamp(-1, 1)
 
+    decode.vae, decode.costs = vae, {}  # rollouts decode in memory-bounded batches (mmrl/models/decode_batch.py)
     return decode
 
 
@@ -68,6 +69,7 @@ def wan_vae_decoder(vae):
         z = latents.to(vae.dtype) * std.to(latents) + mean.to(latents)
         return vae.decode(z.to(vae.dtype), return_dict=False)[0].float().clamp(-1, 1)
 
+    decode.vae, decode.costs = vae, {}  # rollouts decode in memory-bounded batches (mmrl/models/decode_batch.py)
     return decode
 
 

@@ -99,6 +99,6 @@ FAMILY = Family(
         # Wan-AI/Wan2.2-T2V-A14B-Diffusers: two transformers of the Wan2.1-14B architecture (Wan-Video/Wan2.2
         # wan/configs/wan_t2v_A14B.py), the high-noise expert for t >= 0.875 and the low-noise one below, one per
         # forward; both held in memory (and both trained by mmrl)
-        "wan22-a14b": {"config": WAN21_14B, "experts": 2}},
+        "wan22-a14b": {"config": WAN21_14B, "experts": 2, "boundary": 0.875}},
     # the umT5-XXL encoder (5.68 B) and the Wan2.1 VAE (127 M, diffusers' defaults)
     frozen_parts=([("UMT5EncoderModel", "UMT5Config", UMT5_XXL)], ("AutoencoderKLWan", {})))

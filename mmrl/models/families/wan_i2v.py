@@ -165,7 +165,7 @@ FAMILY = Family(
     video_vae=True, condition_images=1,
     architectures={"wan21-i2v-14b": {"config": WAN21_I2V_14B},
                    # its frozen parts lack the CLIP tower (read by plan where an entry names them)
-                   "wan22-i2v-a14b": {"config": WAN22_I2V_A14B, "experts": 2,
+                   "wan22-i2v-a14b": {"config": WAN22_I2V_A14B, "experts": 2, "boundary": 0.9,
                                       "frozen_parts": ([UMT5], ("AutoencoderKLWan", {}))}},
     # umT5-XXL (5.68 B), the CLIP ViT-H/14 vision tower (Wan2.1 I2V only) and the Wan2.1 VAE (127 M)
     frozen_parts=([UMT5, ("CLIPVisionModel", "CLIPVisionConfig", CLIP_VIT_H)], ("AutoencoderKLWan", {})))
