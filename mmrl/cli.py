@@ -79,6 +79,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--prompt-tokens", type=int, default=None,
                     help="token policies: prompt length with media tokens (default 512); janus: before its image tokens (48)")
     pl.add_argument("--world", type=int, default=1, help="data-parallel processes (each samples whole groups)")
+    pl.add_argument("--gpu-gib", type=float, default=80.0,
+                    help="train.micro_batch=auto: the GPU memory it fits (default 80, an H100 / A100 80 GB)")
     pl.add_argument("--cp", type=int, default=None, help="context-parallel ranks splitting one video's tokens "
                                                          "(default: the config's train.context_parallel)")
     return p
@@ -147,8 +149,14 @@ def run(args) -> int:
     if args.cmd == "plan":
         from mmrl.plan import format_plan, plan
 
-        res = plan(cfg, args.arch, args.prompt_tokens, args.world,
-                   args.cp if args.cp is not None else cfg.train.context_parallel, measured=True)
+        cp = args.cp if args.cp is not None else cfg.train.context_parallel
+        if cfg.train.micro_batch == "auto":  # the pick for a GPU of --gpu-gib, then the plan of that pick
+            from mmrl.micro_batch import fit_micro_batch
+
+            cfg.train.micro_batch = fit_micro_batch(cfg, args.gpu_gib, args.arch, args.world, cp,
+                                                    args.prompt_tokens)["micro_batch"]
+            print(f"train.micro_batch=auto on {args.gpu_gib:g} GiB: {cfg.train.micro_batch}")
+        res = plan(cfg, args.arch, args.prompt_tokens, args.world, cp, measured=True)
         print(format_plan(res))
         print(json.dumps(res))
         return 0

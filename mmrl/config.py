@@ -234,9 +234,11 @@ class TrainConfig:
     compile: bool = False         # torch.compile the trained networks' repeated transformer blocks in place, for
                                   # sampling and training (regional compilation, as diffusers' compile_repeated_blocks;
                                   # mmrl/compiled.py); the first calls of each shape compile (seconds to minutes)
-    micro_batch: int = 0          # rows per model forward, bounding peak memory: in training (flow: transitions,
+    micro_batch: int | str = 0    # rows per model forward, bounding peak memory: in training (flow: transitions,
                                   # token: sequences; gradients accumulate to the whole minibatch's), sampling,
-                                  # VAE decoding and old log-probs. 0 = a whole minibatch / rollout at once
+                                  # VAE decoding and old log-probs. 0 = a whole minibatch / rollout at once; auto = the
+                                  # largest that fits the device by `mmrl plan` (mmrl/micro_batch.py; resolved by
+                                  # `mmrl train`, other commands then use train.sample_chunk or all rows at once)
     sample_chunk: int = -1        # rows per forward without gradients (sampling, VAE decoding, old log-probs,
                                   # reward scoring, evaluation); -1 = train.micro_batch, 0 = all at once
     dist_timeout_min: float = 30.0  # several processes: minutes a collective waits for the slowest rank before the
@@ -246,8 +248,11 @@ class TrainConfig:
 
 
 def sample_chunk(t: TrainConfig) -> int:
-    """Rows per forward without gradients: train.sample_chunk, or train.micro_batch when it is -1."""
-    return t.micro_batch if t.sample_chunk < 0 else t.sample_chunk
+    """Rows per forward without gradients: train.sample_chunk, or train.micro_batch when it is -1 (an unresolved
+    `auto`: all at once)."""
+    if t.sample_chunk >= 0:
+        return t.sample_chunk
+    return 0 if t.micro_batch == "auto" else t.micro_batch
 
 
 @dataclass
@@ -357,8 +362,8 @@ class Config:
             raise ConfigError(f"model.dtype={self.model.dtype} with full fine-tuning: the trained weights are kept in "
                               f"fp32 (master weights), so set train.mixed_precision=bf16 to compute in bf16, or enable "
                               f"model.lora (the adapter is fp32, the frozen base stays {self.model.dtype})")
-        if t.micro_batch < 0:
-            raise ConfigError(f"train.micro_batch must be >= 0 (0 = no split), got {t.micro_batch}")
+        if t.micro_batch != "auto" and (isinstance(t.micro_batch, str) or t.micro_batch < 0):
+            raise ConfigError(f"train.micro_batch must be >= 0 (0 = no split) or auto, got {t.micro_batch!r}")
         if t.sample_chunk < -1:
             raise ConfigError(f"train.sample_chunk must be >= 0, or -1 for train.micro_batch; got {t.sample_chunk}")
         if t.micro_batch and self.algo.ratio == "gspo" and policy_kind(self.model.policy) == "flow":

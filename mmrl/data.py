@@ -8,12 +8,31 @@ Shape glossary (one name per concept):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 from mmrl.errors import ConfigError
+
+
+class RowView(Mapping):
+    """Rows `index` of per-sample tensors {name: [N, ...]} on `device`, each gathered on first read."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], index: torch.Tensor, device):
+        self.tensors, self.index, self.device, self.cut = tensors, index, device, {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self.cut:
+            self.cut[key] = self.tensors[key][self.index].to(self.device)
+        return self.cut[key]
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
 
 
 @dataclass
@@ -36,7 +55,7 @@ class Rollout:
         for name in ("old_log_prob", "action_mask", "is_offpolicy"):
             if getattr(self, name).shape[0] != n:
                 raise ValueError(f"Rollout.{name} has {getattr(self, name).shape[0]} rows, group_id has {n}")
-        for k, v in self.extras.items():
+        for k, v in (self.extras.items() if isinstance(self.extras, dict) else ()):  # a RowView is cut already
             if v.shape[0] != n:
                 raise ValueError(f"Rollout.extras[{k!r}] has {v.shape[0]} rows, group_id has {n}")
 
@@ -58,6 +77,14 @@ class Rollout:
             else:
                 out[f.name] = v
         return Rollout(**out)
+
+    def view(self, index: torch.Tensor, device: torch.device | str) -> "Rollout":
+        """The rows `index` [n] on `device`, each extra gathered when first read (RowView), the outputs left out: a
+        training pass moves only the stored tensors its loss reads, not the rollout's latents or images."""
+        return Rollout(group_id=self.group_id[index].to(device), old_log_prob=self.old_log_prob[index].to(device),
+                       action_mask=self.action_mask[index].to(device), examples=[self.examples[i] for i in index.tolist()],
+                       outputs=None, extras=RowView(self.extras, index, device),
+                       is_offpolicy=self.is_offpolicy[index].to(device))
 
     def to(self, device: torch.device | str) -> "Rollout":
         """The same rollout with every tensor field (extras included) on `device`; examples and outputs as they

@@ -1,5 +1,6 @@
 """The training passes' statistics, kept as (sum, count) pairs so that every rank's passes add up to one set of
-numbers (the single-process ones): `Distributed.mean_stats` divides the summed sums by the summed counts."""
+numbers (the single-process ones): `Distributed.mean_stats` divides the summed sums by the summed counts. The sums
+stay on the device where the passes computed them, read once per iteration (no host sync per pass)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,31 @@ class PassStats:
     """Per-action statistics of one iteration's training passes: `add` after each backward, `summary` once."""
 
     def __init__(self):
-        self.stats: dict[str, list[tuple[float, int]]] = {}
+        self.stats: dict[str, list[tuple]] = {}  # key -> [(sum, count)], each a number or a 0-d tensor
         self.ratios: list[tuple[torch.Tensor, torch.Tensor]] = []  # per pass: (ratio sum [A], action count [A])
 
-    def put(self, key: str, total: float, count: int) -> None:
+    def put(self, key: str, total: float | torch.Tensor, count: int | torch.Tensor) -> None:
         self.stats.setdefault(key, []).append((total, count))
 
     def add(self, key: str, values: torch.Tensor, where: torch.Tensor) -> None:
-        """A per-action statistic [n, A], summed over the actions of `where` [n, A]."""
-        self.put(key, values.detach()[where].float().sum().item(), int(where.sum()))
+        """A per-action statistic [n, A], summed over the actions of `where` [n, A] (on the device)."""
+        where = where.to(values.device)
+        self.put(key, torch.where(where, values.detach().float(), 0.0).sum(), where.sum())
+
+    def on_host(self) -> dict[str, list[tuple[float, int]]]:
+        """{key: [(sum, count)]} as numbers: the device's sums read in one transfer."""
+        keys = list(self.stats)
+        parts = [x for k in keys for pair in self.stats[k] for x in pair]
+        dev = next((x.device for x in parts if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        flat = torch.stack([torch.as_tensor(x, dtype=torch.float64).to(dev) for x in parts]).tolist() if parts else []
+        out, i = {}, 0
+        for k in keys:
+            pairs = []
+            for _ in self.stats[k]:
+                pairs.append((flat[i], int(flat[i + 1])))
+                i += 2
+            out[k] = pairs
+        return out
 
     def add_pass(self, out, mb, s: dict, part: torch.Tensor, first: bool) -> None:
         """One pass: the objective's statistics `s` ([n, A], or (values, mask)), the policy's own per-action ones
@@ -51,7 +68,7 @@ class PassStats:
     def summary(self, dist, labels: torch.Tensor | None) -> dict[str, float]:
         """Every rank's statistics merged: train/<key>, and ratio_per_action/<step> (labels [N, A]: a flow policy's
         step index per action; token policies: the position)."""
-        out = {f"train/{k}": v for k, v in dist.mean_stats(self.stats).items()}
+        out = {f"train/{k}": v for k, v in dist.mean_stats(self.on_host()).items()}
         out["train/clip_frac"] = out.pop("train/clipped", 0.0)
         out["train/ratio_mean"] = out.pop("train/ratio", 1.0)
         r = self.ratios

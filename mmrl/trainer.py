@@ -32,6 +32,7 @@ from mmrl.distributed import Distributed, check_parallel_config, full
 from mmrl.errors import ConfigError
 from mmrl.evaluation import EVAL_SEED, evaluate_outputs
 from mmrl.metrics import Logger, SignalWatch, Timer, per_category, perf
+from mmrl.micro_batch import resolve_micro_batch
 from mmrl.rollout.collect import Collector
 from mmrl.train_stats import PassStats
 from mmrl.optim import EMA, lr_scale, soft_update_decay
@@ -53,6 +54,7 @@ class Trainer:
         self.dist = Distributed(cfg.train.parallel, cfg.train.context_parallel, cfg.train.cp_kind,
                                 cfg.train.dist_timeout_min, cfg.train.shard_size)
         ckpt.check_shared_run_dir(cfg.log.out_dir, self.dist)  # several nodes: one run folder they all see
+        resolve_micro_batch(cfg, self.dist)  # train.micro_batch=auto: the largest that fits, decided on rank 0
         # the task before the weights: its input errors (an empty prompt file...) come in seconds, not after a load
         with self.dist.main_first():  # a task that writes its data (the grounding world) does it once
             self.task = compose.build_task(cfg.task)
@@ -60,6 +62,7 @@ class Trainer:
         self.policy = compose.build_policy(cfg, self.dist)  # under FSDP: loaded into shards by parallelize
         algo = compose.build_algorithm(cfg)  # built once: objective (terms), reward shaping, credit assignment
         self.objective, self.shaping, self.credit = algo.objective, algo.shaping, algo.credit
+        self.policy.reads = self.objective.reads  # a training pass builds only the statistics its objective reads
         if cfg.train.gradient_checkpointing:
             self.policy.enable_gradient_checkpointing()
         if self.dist.cp > 1:  # before DDP / FSDP wrap the transformers
@@ -70,28 +73,25 @@ class Trainer:
         compiled.compile_policy(self.policy, cfg.train)  # after LoRA and DDP / FSDP2 wrapping: they run in the blocks
         self.reward_fn = compose.build_reward(cfg.reward.name, cfg.reward.kwargs)
         self.reward = RewardRunner(self.reward_fn, cfg.reward.on_error, sample_chunk(cfg.train))
-        self.eval_reward = self.reward if not cfg.reward.eval_name else RewardRunner(
-            compose.build_reward(cfg.reward.eval_name, cfg.reward.eval_kwargs, "reward.eval"), cfg.reward.on_error,
-            sample_chunk(cfg.train))
+        self.eval_reward = self.reward if not cfg.reward.eval_name else RewardRunner(compose.build_reward(
+            cfg.reward.eval_name, cfg.reward.eval_kwargs, "reward.eval"), cfg.reward.on_error, sample_chunk(cfg.train))
         self.params = list(self.policy.trainable_parameters())
         if not self.params:
             raise ConfigError("the policy has no trainable parameters (check model.lora settings)")
         self.opt = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.ema = EMA(self.params, cfg.train.ema_decay, self.dist.reshard) if cfg.train.ema_decay > 0 else None
         self.sampling = EMA(self.params, 0.0, self.dist.reshard) if cfg.train.sampling_ema else None  # old policy
-        self.iteration = 0
+        self.iteration, self.nonfinite = 0, 0  # nonfinite: optimizer steps in a row skipped for a non-finite gradient
         self.watch = SignalWatch(cfg.reward, cfg.task.name, cfg.train.zero_signal_patience)
         self.timed_evals: list[dict] = []
         self.eval_start: dict | None = None  # the base model's held-out figures (kept across a resume)
-        self.nonfinite = 0  # optimizer steps in a row skipped for a non-finite gradient
         self.saved_at, self.saved_path = -1, None  # the iteration of this process's last save, and its folder
         self.elapsed_min = 0.0  # training minutes so far (saved: a resumed run keeps its budget and lr schedule)
         # One optimizer step per epoch: every row's first forward runs under the sampling weights, so the rollout's
         # old log-probs are that forward's (detached) values; policies that must pay a forward for them skip it.
         self.policy.defer_old_log_prob = cfg.train.minibatches == cfg.train.grad_accum and self.sampling is None
-        self.logger = Logger(cfg.log.out_dir, cfg.log.tensorboard, enabled=self.dist.main, report_to=cfg.log.report_to,
-                             config=cfg)
-        self.timer = Timer()
+        self.logger, self.timer = Logger(cfg.log.out_dir, cfg.log.tensorboard, enabled=self.dist.main,
+                                         report_to=cfg.log.report_to, config=cfg), Timer()
         self.collect = Collector(cfg, self.policy, self.task, self.reward, self.dist, self.timer)
 
     # ------------------------------------------------------------------------------------------ the loop
@@ -249,7 +249,7 @@ class Trainer:
                                f"or check the reward for inf values")
         return int(math.isfinite(norm))
 
-    def train_minibatch(self, rollout, adv, mine, sizes, syncs: bool, steps: int, stats: PassStats) -> float:
+    def train_minibatch(self, rollout, adv, mine, sizes, syncs: bool, steps: int, stats: PassStats) -> torch.Tensor:
         """Forward / backward of this rank's rows `mine` of a minibatch in micro-batches, normalized by the optimizer
         step's sizes (rows, actions) / world (DDP / FSDP average the gradients over ranks). Every rank runs as many
         passes as the rank that needs the most (zero-weight padding passes of one micro-batch: a padding pass costs
@@ -272,7 +272,7 @@ class Trainer:
             del part_stats  # the pass's outputs go before the next forward (they would raise its peak)
         return loss / self.dist.world
 
-    def accumulate(self, rollout, idx, actions, adv, sizes, weight: float, first: bool) -> tuple[float, tuple]:
+    def accumulate(self, rollout, idx, actions, adv, sizes, weight: float, first: bool) -> tuple[torch.Tensor, tuple]:
         """Forward and backward of rows `idx` (only `actions` [n, A] when given) with the loss normalized by the
         optimizer step's `sizes` (rows, actions) and times `weight` (0: a padding pass): the gradients of the parts
         add up to the gradient of the whole minibatch. `first`: no optimizer step yet this iteration. Returns (the
@@ -293,14 +293,14 @@ class Trainer:
             old = rollout.old_log_prob[idx]
             rollout.old_log_prob[idx] = torch.where(deferred, out.log_prob.detach().to(old), old)
         dev = out.log_prob.device  # the loss runs where the log-probs are; bookkeeping comes from CPU
-        mb = rollout.select(idx).to(dev)
+        mb = rollout.view(idx, dev)  # its extras gathered as the loss reads them
         mask = mb.action_mask  # the whole rows' actions normalize the loss; this part's actions carry it
         part = mask if actions is None else mask & actions.to(dev)
         loss_a, s = obj.per_action(Batch(None, mb.old_log_prob, adv[idx].to(dev), mb.group_id, part, mb, out, ref,
                                          anchor))
         loss = obj.aggregate(loss_a * part, mask, *sizes) * weight
         loss.backward()
-        return loss.item(), (out, mb, s, part, first)
+        return loss.detach(), (out, mb, s, part, first)  # read once per iteration (PassStats)
 
     # -------------------------------------------------------------------------------------------- helpers
     def frozen_forward(self, weights, rollout, idx, kw):  # log-probs without gradients under `weights` (EMA, reference)

@@ -155,3 +155,22 @@ def test_compiled_equals_eager_with_inductor(kind, tiny_pixel_model, tmp_path):
     assert scale > 0 and diffs["grad"] < 1e-4 * scale, diffs
     assert max(diffs[k] for k in ("head", "lp", "old")) < 1e-4, diffs
     assert diffs["out"] < 1e-4 if kind == "flow" else diffs["out"] == 0, diffs  # token: the same sampled ids
+
+
+@pytest.mark.slow  # two trainer runs on 2 processes, each compiling: ~2-3 min each on a loaded 2-core machine
+def test_compiled_ddp_and_fsdp_end_where_eager_one_process_ends(tiny_pixel_model, tmp_path):
+    """train.compile=true under DDP and FSDP2 (blocks compiled after wrapping: FSDP2's hooks run inside them) on 2
+    processes ends 2 iterations where an eager single process ends (measured: 5e-8)."""
+    from safetensors.torch import load_file
+    from test_distributed import run
+
+    r = run(tiny_pixel_model, str(tmp_path / "single.safetensors"), "--steps", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    single = load_file(tmp_path / "single.safetensors")
+    for mode in ("ddp", "fsdp"):
+        r = run(tiny_pixel_model, str(tmp_path / f"{mode}.safetensors"), "--parallel", mode, "--steps", "2", "--set",
+                "train.compile=true", procs=2)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got = load_file(tmp_path / f"{mode}.safetensors")
+        diff = max((single[k] - got[k]).abs().max().item() for k in single)
+        assert diff < 1e-6, f"{mode} compiled: parameters differ from the eager single-process run by {diff}"

@@ -107,3 +107,49 @@ def test_prompts_are_encoded_once_per_text_and_cached(tiny_pixel_model):
     enc, pooled = encode(["two squares"])
     torch.testing.assert_close(ro.extras["enc"][3:], enc.expand(3, -1, -1))
     torch.testing.assert_close(ro.extras["pooled"][3:], pooled.expand(3, -1))
+
+
+def test_a_training_pass_builds_only_what_the_objective_reads(tiny_pixel_model):
+    """Objective.reads (its terms' declared reads) -> the flow policy builds only those statistics and gathers only
+    the stored tensors they need; the log-probs, the statistics it builds and the gradients equal the full pass's."""
+    from mmrl.algorithms.objective import build_objective
+    from mmrl.data import RowView
+
+    algo = lambda *items: load_config(None, list(items)).algo  # noqa: E731
+    assert build_objective(algo("algo.kl_coef=0")).reads == frozenset()
+    assert build_objective(algo("algo.ratio=guard", "algo.kl_coef=0.01", "algo.kl=flow_mean")).reads == \
+        {"std", "ratio_bias", "mean"}
+    assert build_objective(algo("algo.objective.name=nft", "algo.kl_coef=0")).reads == \
+        {"velocity", "old_velocity", "target", "sigma"}
+    pol = make_policy(tiny_pixel_model, **{"sampler.cfg_scale": 1.0})
+    ro = pol.sample(EXAMPLES, 2, torch.Generator().manual_seed(0))
+    idx = torch.tensor([3, 0])
+    full = pol.log_prob(ro, idx)
+    full.log_prob.sum().backward()
+    grads = [p.grad.clone() for p in pol.trainable_parameters()]
+    pol.transformer.zero_grad(set_to_none=True)
+    pol.reads = frozenset()
+    read = []
+    stored = ro.extras
+    ro.extras = type("Watched", (dict,), {"__getitem__": lambda s, k: read.append(k) or dict.__getitem__(s, k)})(stored)
+    lean = pol.log_prob(ro, idx)
+    assert set(lean.stats) == {"std", "schedule_std_mean"} and "old_mean" not in read   # no mean, velocity, bias
+    torch.testing.assert_close(lean.log_prob, full.log_prob, rtol=0, atol=0)
+    lean.log_prob.sum().backward()
+    for p, g in zip(pol.trainable_parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+    view = RowView(stored, idx, "cpu")
+    assert torch.equal(view["latents"], stored["latents"][idx]) and list(view.cut) == ["latents"]
+
+
+def test_pass_statistics_stay_on_the_device_until_read():
+    """PassStats keeps each pass's sums as tensors where they were computed (no host sync per pass) and reads them in
+    one transfer; a masked-out NaN does not reach the sum."""
+    from mmrl.train_stats import PassStats
+
+    s = PassStats()
+    s.add("x", torch.tensor([[1.0, 2.0], [3.0, float("nan")]]), torch.tensor([[True, False], [True, False]]))
+    s.put("loss", torch.tensor(0.5), 1)
+    s.put("grad_norm", 2.0, 1)
+    assert isinstance(s.stats["x"][0][0], torch.Tensor)
+    assert s.on_host() == {"x": [(4.0, 2)], "loss": [(0.5, 1)], "grad_norm": [(2.0, 1)]}

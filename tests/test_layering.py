@@ -29,12 +29,14 @@ LAYERS = [
     # 3 plugins: the built-in rewards and tasks, which mmrl reaches only through registry strings; a reward may
     #   import a task (its world's vocabulary), never the reverse (test_tasks_never_import_rewards)
     ["rewards.*", "tasks.*"],
-    # 4 composition: config names -> objects; checkpoint files
-    ["mmrl.compose", "mmrl.checkpoint", "mmrl.checkpoint_state"],
+    # 4 composition: config names -> objects; checkpoint files; the plan of a config at real size (the trainer reads it
+    #   for train.micro_batch=auto)
+    ["mmrl.compose", "mmrl.checkpoint", "mmrl.checkpoint_state", "mmrl.plan", "mmrl.plan_models", "mmrl.plan_measure",
+     "mmrl.micro_batch"],
     # 5 the loop, the reward server
     ["mmrl.trainer", "mmrl.reward_server", "mmrl.runs"],
     # 6 tools on top of the loop
-    ["mmrl.plan", "mmrl.plan_models", "mmrl.plan_measure", "mmrl.export", "mmrl.testing.memory",
+    ["mmrl.export", "mmrl.testing.memory",
      "mmrl.testing.contract", "mmrl.testing.tiny_rewards", "mmrl.testing.real_size",
      "mmrl.eval", "mmrl.sample", "mmrl.preflight"],
     # 7 the command line

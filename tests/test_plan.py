@@ -410,3 +410,36 @@ def test_two_experts_idle_rows_are_counted_where_they_run():
     assert idle("ddp", 8, "train.micro_batch=1") == idle("hsdp", 8, "train.micro_batch=1") == 8 * steps(t) > 0
     assert idle("fsdp", 8, "train.micro_batch=1") == 0 and idle("ddp", 1, "train.micro_batch=1") == 0
     assert idle("ddp", 8, "train.micro_batch=0") == 0                 # one forward of every step: both experts
+
+
+@pytest.mark.slow  # ~70 s: plans SD3.5-M at ~140 rows per forward
+def test_micro_batch_auto_is_the_largest_that_fits():
+    """train.micro_batch=auto (mmrl/micro_batch.py): the planned peak at the pick fits HEADROOM of the device, one row
+    more does not."""
+    from mmrl.micro_batch import HEADROOM, fit_micro_batch
+
+    cfg = load_config("configs/t2i/sd35_geneval_lora.yaml", ["train.micro_batch=auto", "train.parallel=ddp"])
+    fit = fit_micro_batch(cfg, 40.0, "sd35-medium", 8)
+    m = fit["micro_batch"]
+    assert 4 < m < fit["whole"]
+    at = lambda k: plan(load_config("configs/t2i/sd35_geneval_lora.yaml",  # noqa: E731
+                                    [f"train.micro_batch={k}", "train.parallel=ddp"]), "sd35-medium", world=8)["total_gib"]
+    assert at(m) <= HEADROOM * 40.0 < at(m + 1)
+
+
+def test_micro_batch_auto_at_its_bounds():
+    """On the shapes world: the pick's planned training peak fits HEADROOM of the device and one row more does not; a
+    device that holds the rank's whole minibatch gets 0 (one forward per minibatch); one that holds no row is
+    refused, naming the fixes; a value that is neither a count nor auto is refused."""
+    from mmrl.errors import ConfigError
+    from mmrl.micro_batch import HEADROOM, fit_micro_batch
+
+    cfg = load_config("configs/t2i/shapes_grpo.yaml", ["train.micro_batch=auto"])
+    m = fit_micro_batch(cfg, 0.12)["micro_batch"]
+    at = lambda k: plan(load_config("configs/t2i/shapes_grpo.yaml", [f"train.micro_batch={k}"]))  # noqa: E731
+    assert m > 1 and at(m)["total_gib"] <= HEADROOM * 0.12 < at(m + 1)["total_gib"]
+    assert fit_micro_batch(cfg, 10_000.0)["micro_batch"] == 0
+    with pytest.raises(ConfigError, match="gradient_checkpointing"):
+        fit_micro_batch(cfg, 0.05)
+    with pytest.raises(ConfigError, match="or auto"):
+        load_config("configs/t2i/shapes_grpo.yaml", ["train.micro_batch=most"])

@@ -1,6 +1,7 @@
 """Token-policy contract (shapes, determinism under a seed, on-policy ratio = 1) for Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL and a causal LM; video input; TempSamp-R1 injection; LoRA on the language model only."""
 
+import dataclasses
 import json
 import random
 
@@ -208,6 +209,41 @@ def test_shared_prefix_forward_equals_naive(kind, media, tmp_path, tiny_world):
             assert any("visual" in n for n in g_shared)  # gradients reach the vision tower through the cache
         for n in g_naive:
             assert torch.allclose(g_shared[n], g_naive[n], atol=1e-5), (n, (g_shared[n] - g_naive[n]).abs().max())
+
+
+@pytest.mark.parametrize("kind,media", [("qwen2_5_vl", "video"), ("causal_lm", "text")])
+def test_shared_prefix_under_checkpointing_and_lockstep_equals_naive(kind, media, tmp_path, tiny_world):
+    """Gradient checkpointing keeps the shared-prefix KV cache: log-probs and gradients equal the naive forward
+    without checkpointing, and in backward each prompt is recomputed once (U x P tokens through a decoder layer),
+    not once per row. Lockstep (several processes under FSDP2: every scoring call makes the prompt and completion
+    forwards) equals it too, for rows whose prompts all differ and for one-token completions."""
+    pol, exs = policy_and_examples(kind, media, tmp_path, tiny_world, freeze_vision=False)
+    ro = pol.sample(exs, 3, torch.Generator().manual_seed(0))
+    idx = torch.tensor([5, 0, 4, 1, 2])
+    naive, g_naive = _logp_and_grads(pol, ro, idx, shared=False)
+    pol.enable_gradient_checkpointing()
+    assert pol._checkpointed
+    layer0 = next(m for n, m in pol.model.named_modules() if n.endswith("layers.0.self_attn") and "visual" not in n)
+    tokens = []
+    layer0.register_forward_hook(lambda m, a, kw, out: tokens.append(kw["hidden_states"].shape[:2].numel()),
+                                 with_kwargs=True)
+    checkpointed, g_ckpt = _logp_and_grads(pol, ro, idx, shared=True)
+    assert torch.allclose(checkpointed, naive, atol=1e-5), (checkpointed - naive).abs().max()
+    assert g_ckpt.keys() == g_naive.keys()
+    for n in g_naive:
+        assert torch.allclose(g_ckpt[n], g_naive[n], atol=1e-5), (n, (g_ckpt[n] - g_naive[n]).abs().max())
+    distinct = list({id(p): p for p in (pol.encode_prompt(ro.examples[i]) for i in idx.tolist())}.values())
+    prompt, rows = pol._collate(distinct)["input_ids"].numel(), idx.numel() * ro.extras["completion_ids"].shape[1]
+    assert len(distinct) < len(idx) and tokens == [prompt, rows, rows, prompt]  # U P, n C; backward: n C, U P
+    pol.lockstep = True
+    for rows, width in ((torch.tensor([0, 3]), None), (idx, 1)):  # distinct prompts; one-token completions
+        one = ro if width is None else dataclasses.replace(
+            ro, extras={"completion_ids": ro.extras["completion_ids"][:, :width]}, action_mask=ro.action_mask[:, :width],
+            old_log_prob=ro.old_log_prob[:, :width])
+        a, ga = _logp_and_grads(pol, one, rows, shared=False)
+        b, gb = _logp_and_grads(pol, one, rows, shared=True)
+        assert torch.allclose(a, b, atol=1e-5) and ga.keys() == gb.keys()
+        assert all(torch.allclose(ga[n], gb[n], atol=1e-5) for n in ga)
 
 
 @pytest.mark.parametrize("kind,media", [("qwen2_vl", "video"), ("qwen2_5_vl", "video"), ("qwen3_vl", "image"),

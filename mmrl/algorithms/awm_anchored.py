@@ -94,5 +94,6 @@ awm_anchored.objective = "forward"
 awm_anchored.guidance = "none"  # AWM's loss is pretraining's conditional flow matching, weighted
 awm_anchored.knobs = AWMAnchoredKnobs
 awm_anchored.needs_output = True
+awm_anchored.reads = ("velocity", "target")
 awm_anchored.needs_reference = True
 POLICY_LOSSES.register("awm_anchored")(awm_anchored)

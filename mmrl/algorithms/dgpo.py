@@ -56,6 +56,7 @@ dgpo.objective = "forward"
 dgpo.guidance = "none"  # DGPO's loss compares conditional flow-matching errors
 dgpo.knobs = DGPOKnobs
 dgpo.needs_output = True
+dgpo.reads = ()  # the log-probs of the policy and the reference only
 dgpo.needs_reference = True
 dgpo.needs_whole_groups = True
 POLICY_LOSSES.register("dgpo")(dgpo)

@@ -53,6 +53,7 @@ dpo.objective = "forward"
 dpo.guidance = "none"  # Diffusion-DPO's loss compares conditional denoising errors
 dpo.knobs = DPOKnobs
 dpo.needs_output = True
+dpo.reads = ()  # the log-probs of the policy and the reference only
 dpo.needs_reference = True
 dpo.needs_whole_groups = True
 POLICY_LOSSES.register("dpo")(dpo)

@@ -39,6 +39,7 @@ def flow_dppo(log_prob, old_log_prob, advantages, knobs: FlowDPPOKnobs, ctx):
 
 
 flow_dppo.needs_output = True
+flow_dppo.reads = ("ratio_bias",)
 flow_dppo.knobs = FlowDPPOKnobs
 flow_dppo.flow_steps_only = True  # the exact Gaussian KL of flow SDE steps, with the raw ratio
 POLICY_LOSSES.register("flow_dppo")(flow_dppo)

@@ -104,7 +104,9 @@ def seq_sum_norm(loss, mask, num_samples, num_actions):
 # These train on the forward (noising) process of a rollout's final samples instead of its sampling steps; the
 # flow policy then scores "actions" that are noise levels t of a final sample x0 (docs/algorithms.md §10). Their
 # `objective` attribute tells the flow policy which rollout to record; `needs_output` that the loss reads a
-# LossContext (the policy's velocities in PolicyOutput.stats, the reference's outputs, group ids) besides the log-probs;
+# LossContext (the policy's velocities in PolicyOutput.stats, the reference's outputs, group ids) besides the log-probs,
+# and `reads` which PolicyOutput.stats it reads (the policy builds only those; a loss that needs the output and
+# declares nothing gets them all);
 # `needs_reference` that the run keeps a reference; `needs_whole_groups` that a pass must hold whole groups;
 # `guidance = "none"` that the loss trains the model's own (unguided) velocity, so sampling and training run without
 # classifier-free guidance (sampler.cfg_scale=1, checked at load; evaluation keeps sampler.eval_cfg_scale).
@@ -172,4 +174,5 @@ nft.objective = "forward"
 nft.guidance = "none"  # DiffusionNFT is CFG-free: it trains, and samples from, the unguided velocity
 nft.knobs = NFTKnobs
 nft.needs_output = True
+nft.reads = ("velocity", "old_velocity", "target", "sigma")
 POLICY_LOSSES.register("nft")(nft)

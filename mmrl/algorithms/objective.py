@@ -10,7 +10,8 @@
 
 Each term declares what it needs (`needs_reference`: the reference policy's outputs on the same actions;
 `needs_whole_groups`: a pass holds whole groups; `actions`: which actions it trains on, "transitions" (sampling
-steps, tokens) or "forward" (noise levels of the final samples; the flow policy then records those)) and returns
+steps, tokens) or "forward" (noise levels of the final samples; the flow policy then records those); `reads`: the
+PolicyOutput.stats it reads, so that a training pass builds only those) and returns
 its per-action loss and named statistics ([n, A] tensors averaged over the pass's actions, or (values, mask) pairs
 averaged over mask). The policy loss is named once, with its own knobs:
 
@@ -74,6 +75,10 @@ class PolicyLoss:
     def needs_ema_anchor(self) -> bool:  # the loss anchors at the EMA weights while the KL's reference may be the base
         return getattr(self.knobs, "anchor", "reference") == "ema"
 
+    @property
+    def reads(self) -> tuple[str, ...] | None:
+        return getattr(self.fn, "reads", None if getattr(self.fn, "needs_output", False) else ())
+
     def __call__(self, loss, b: Batch):
         ctx = (LossContext(b.out, b.ref, b.group_id, b.anchor),) if getattr(self.fn, "needs_output", False) else ()
         return self.fn(b.log_prob, b.old_log_prob, b.advantages, self.knobs, *ctx)
@@ -86,6 +91,10 @@ class KLPenalty:
     coef: float
     needs_reference = True
 
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return getattr(KL_ESTIMATORS[self.estimator], "reads", ())
+
     def __call__(self, loss, b: Batch):
         kl = KL_ESTIMATORS[self.estimator](b.out, b.ref)
         return loss + self.coef * kl, {"kl": kl.detach()}
@@ -96,6 +105,10 @@ class Weighting:
     """x WEIGHTINGS[name](rows, out) per action (TempFlow-GRPO's noise-level weights, GRPO-Guard's dt, ...)."""
     name: str
 
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return getattr(WEIGHTINGS[self.name], "reads", ())
+
     def __call__(self, loss, b: Batch):
         return loss * WEIGHTINGS[self.name](b.rows, b.out), {}
 
@@ -104,6 +117,7 @@ class Weighting:
 class TruncatedIS:
     """x min(pi_old / pi_engine, cap): the sampling engine drew from its own distribution (vLLM, bf16 decoding)."""
     cap: float
+    reads = ()
 
     def __call__(self, loss, b: Batch):
         if "rollout_log_prob" not in b.rows.extras:
@@ -118,6 +132,7 @@ class TruncatedIS:
 class SupervisedAnchor:
     """- coef log pi of the injected (off-policy, e.g. ground-truth) rows' actions: their NLL, logged as sft_nll."""
     coef: float
+    reads = ()
 
     def __call__(self, loss, b: Batch):
         inj = b.rows.is_offpolicy[:, None] & b.part  # [n, A]
@@ -145,6 +160,18 @@ class Objective:
     @property
     def actions(self) -> str:
         return self.terms[0].actions
+
+    @property
+    def reads(self) -> frozenset[str] | None:
+        """The PolicyOutput.stats its terms and ratio transform read (their `reads`; a policy builds only these), or
+        None (all) when a loss reads the output without declaring what."""
+        names = set(getattr(RATIO_TRANSFORMS[self.ratio], "reads", ()))
+        for t in self.terms:
+            r = t.reads
+            if r is None:
+                return None
+            names |= set(r)
+        return frozenset(names)
 
     def per_action(self, b: Batch) -> tuple[torch.Tensor, dict]:
         """(loss [n, A], statistics) of the pass."""

@@ -149,6 +149,19 @@ class FlowModel:
         return velocity_from_prediction(out.float(), x, sigma, self.prediction)
 
 
+def expert_lockstep(parallel: str, dist) -> Callable[[list[bool]], list[bool]]:
+    """FlowModel.lockstep of two experts trained under `parallel` (ddp | fsdp | hsdp) by `dist` (mmrl.distributed):
+    the experts a training call runs on every rank, given this rank's need. A backward that synchronizes gradients
+    runs both under DDP and HSDP (DDP's reducer waits for every parameter; HSDP all-reduces across nodes the shards
+    every backward of the step accumulated); otherwise FSDP2 and HSDP run those some rank needs (each call
+    all-gathers; one decision per call), DDP this rank's own (no collective runs)."""
+    def run(need: list[bool]) -> list[bool]:
+        if torch.is_grad_enabled() and dist.syncs and parallel != "fsdp":
+            return [True, True]
+        return need if parallel == "ddp" else dist.any_rank(need)
+    return run
+
+
 def compute_dtype(transformer: torch.nn.Module) -> torch.dtype:
     """The dtype a transformer computes in, which its inputs take: diffusers' rule (ModelMixin.dtype, what its own
     pipelines cast latents to), the first floating parameter outside `_keep_in_fp32_modules`. Not simply the first

@@ -28,7 +28,7 @@ from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, save_lora_adapt
                               write_policy_meta)
 from mmrl.models.decode_batch import decode_rows
 from mmrl.models.families import lora_targets
-from mmrl.models.flow_model import EXPERTS, FlowModel
+from mmrl.models.flow_model import EXPERTS, FlowModel, expert_lockstep
 from mmrl.models.shard_load import copy_shards, init_adapters, load_into_shards
 from mmrl.policy.flow_checkpoint import (  # noqa: F401  (load_policy_checkpoint: the checkpoint loader's home is there)
     _link_base_parts, _load_transformer_weights, load_policy_checkpoint, save_diffusers_lora)
@@ -56,7 +56,7 @@ class FlowPolicy(PolicyDefaults):
 
         self.model, self.cfg, self.model_path, self.progress = model, sampler_cfg, model_path, progress
         self.model.cfg_grad = sampler_cfg.cfg_grad
-        self._parallel = None  # train.parallel once parallelize wrapped the experts
+        self._lockstep = None  # two experts under several processes: FlowModel.lockstep in training forwards
         self.tree = tree_cfg or TreeConfig()
         self.model_options = model_options or {}  # how the base was loaded (sample_size ...), kept in checkpoints
         first = next(model.transformer.parameters())
@@ -348,41 +348,48 @@ class FlowPolicy(PolicyDefaults):
     def log_prob(self, rollout: Rollout, index: torch.Tensor, actions: torch.Tensor | None = None) -> PolicyOutput:
         """Only the actions in rollout.action_mask (and in `actions` [n, A] when given) run the transformer, all
         in one forward; the others (pruned tree transitions, invalid samples, other micro-batches) keep their old
-        values, ratio 1, and no gradient."""
-        e = {k: v[index].to(self.device) for k, v in rollout.extras.items()}
+        values, ratio 1, and no gradient. Only the stored tensors of those actions are gathered, and only the
+        statistics in `reads` (the objective's, set by the trainer; None: all) are built."""
         mask = rollout.action_mask[index].clone()
         if actions is not None:
             mask &= actions
         if not mask.any():
             mask[0, 0] = True  # keep a graph so backward works; the trainer's mask zeroes this action's loss
         rows, cols = mask.nonzero(as_tuple=True)                      # k trained actions
-        pick = lambda t: t[rows, cols]                                # [n, A, ...] -> [k, ...]
+        at, stored, dev = index[rows], rollout.extras, self.device    # at [k]: each action's rollout row
+        pick = lambda k: stored[k][at, cols].to(dev)                  # stored [N, A, ...] -> [k, ...]
+        whole = lambda k: stored[k][index].to(dev)                    # stored [N, A, ...] -> [n, A, ...]
         place = lambda base, val: base.index_put((rows, cols), val)   # [k, ...] into [n, A, ...], differentiable
-        old = rollout.old_log_prob[index].to(self.device)
+        want = lambda k: self.reads is None or k in self.reads
+        old = rollout.old_log_prob[index].to(dev)
         images = self.images([rollout.examples[i] for i in index.tolist()])
         images = None if images is None else [images[i] for i in rows.tolist()]
-        self.model.lockstep = self._lockstep if self._parallel else None  # ranks score rows at different sigmas
+        self.model.lockstep = self._lockstep  # ranks score rows at different sigmas (never when sampling)
         try:
-            v = self._velocity_fn(e["enc"][rows], e["pooled"][rows], chunked=False, images=images)(
-                pick(e["latents"]), pick(e["sigma"])).float()
+            v = self._velocity_fn(stored["enc"][at].to(dev), stored["pooled"][at].to(dev), chunked=False,
+                                  images=images)(pick("latents"), pick("sigma")).float()      # [k, *D]
         finally:
             self.model.lockstep = None
         if self.objective == "forward":  # the negative flow-matching loss of each noise level (§10)
-            lp = -(v - pick(e["target"])).pow(2).flatten(1).mean(1)
-            return PolicyOutput(place(old, lp), {"velocity": place(e["old_velocity"], v), "sigma": e["sigma"],
-                                                 "old_velocity": e["old_velocity"], "target": e["target"]})
-        sigma, sigma_next, std = pick(e["sigma"]), pick(e["sigma_next"]), pick(e["std"])
-        x = pick(e["latents"])
-        mean, _ = step_mean_std(self.cfg.kind, x, v, sigma, sigma_next, self.cfg.noise_level, float(self.sigmas[1]))
-        lp = gaussian_log_prob(pick(e["next_latents"]), mean, std, self.cfg.logprob_reduce)
-        # GRPO-Guard's ratio bias b = reduce_d(dmu^2) / (2 std^2), per sample and step, dmu = mean - rollout mean
-        sq = (mean - pick(e["old_mean"])).pow(2).flatten(1)
-        sq = sq.mean(1) if self.cfg.logprob_reduce == "mean" else sq.sum(1)
-        bias = sq / (2 * std.clamp(min=1e-12) ** 2)
-        return PolicyOutput(place(old.to(lp), lp), {"mean": place(e["old_mean"], mean), "std": e["std"],
-                                             "velocity": place(torch.zeros_like(e["latents"], dtype=v.dtype), v),
-                                             "ratio_bias": place(torch.zeros_like(old), bias),
-                                             "schedule_std_mean": torch.tensor(self.schedule_std_mean)})
+            lp = -(v - pick("target")).pow(2).flatten(1).mean(1)
+            stats = {k: whole(k) for k in ("sigma", "old_velocity", "target") if want(k)}
+            if want("velocity"):
+                stats["velocity"] = place(whole("old_velocity"), v)
+            return PolicyOutput(place(old, lp), stats)
+        sigma, sigma_next, std = pick("sigma"), pick("sigma_next"), pick("std")
+        mean, _ = step_mean_std(self.cfg.kind, pick("latents"), v, sigma, sigma_next, self.cfg.noise_level,
+                                float(self.sigmas[1]))
+        lp = gaussian_log_prob(pick("next_latents"), mean, std, self.cfg.logprob_reduce)
+        stats = {"std": whole("std"), "schedule_std_mean": torch.tensor(self.schedule_std_mean)}
+        if want("mean"):
+            stats["mean"] = place(whole("old_mean"), mean)
+        if want("velocity"):
+            stats["velocity"] = place(v.new_zeros(len(index), mask.shape[1], *v.shape[1:]), v)
+        if want("ratio_bias"):  # GRPO-Guard's b = reduce_d(dmu^2) / (2 std^2) per sample and step, dmu = mean - rollout's
+            sq = (mean - pick("old_mean")).pow(2).flatten(1)
+            sq = sq.mean(1) if self.cfg.logprob_reduce == "mean" else sq.sum(1)
+            stats["ratio_bias"] = place(torch.zeros_like(old, dtype=lp.dtype), sq / (2 * std.clamp(min=1e-12) ** 2))
+        return PolicyOutput(place(old.to(lp), lp), stats)
 
     @contextlib.contextmanager
     def reference(self):
@@ -431,7 +438,7 @@ class FlowPolicy(PolicyDefaults):
         frozen KL reference copy (full fine-tuning), which would otherwise be a whole replica on every GPU."""
         for name, tr in self.experts():
             setattr(self.model, name, wrap(tr))
-        self._parallel = parallel if self.model.transformer_2 is not None else None
+        self._lockstep = expert_lockstep(parallel, self.dist) if self.model.transformer_2 is not None else None
         if parallel in SHARDED and self._ref_copy is not None and not self.offload:
             self._ref_copy = {name: wrap(ref) for name, ref in self._ref_copy.items()}
         if self._pending:  # built on the meta device: each rank reads its shards, the reference copies them
@@ -446,15 +453,6 @@ class FlowPolicy(PolicyDefaults):
                 if self._ref_copy is not None:
                     copy_shards(experts[name], self._ref_copy[name], self.device)
             self._pending = []
-
-    def _lockstep(self, need: list[bool]) -> list[bool]:
-        """The experts a training call runs on every rank, given this rank's `need`. A backward that synchronizes
-        gradients runs both under DDP and HSDP (DDP's reducer waits for every parameter; HSDP all-reduces across
-        nodes the shards each backward of the step accumulated); otherwise FSDP2 and HSDP run those some rank needs
-        (each call all-gathers; one decision per call), DDP this rank's own (no collective runs)."""
-        if torch.is_grad_enabled() and self.dist.syncs and self._parallel != "fsdp":
-            return [True, True]
-        return need if self._parallel == "ddp" else self.dist.any_rank(need)
 
     def _start_adapters(self, name: str, tr: torch.nn.Module) -> None:
         """Expert `name`'s LoRA adapters at their start, whole or in their shards (init_adapters, its own seed)."""

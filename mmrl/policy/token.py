@@ -77,6 +77,9 @@ class TokenPolicy(PolicyDefaults):
         # when that forward runs before any optimizer step); saves one forward pass per rollout.
         self.defer_old_log_prob = False
         self.pad_forwards = None  # FSDP: n -> extra forwards that keep every rank's forward count equal
+        self.lockstep = False  # FSDP: every scoring call makes the same model calls (shared prefix: always two)
+        self._ddp_score = None  # DDP: `score` as one DDP module call (parallelize)
+        self._checkpointed: list[torch.nn.Module] = []  # gradient-checkpointed layers (enable_gradient_checkpointing)
         self.eos_id, self.pad_id = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.eos_id
@@ -300,51 +303,77 @@ class TokenPolicy(PolicyDefaults):
 
     # ------------------------------------------------------------------------------------------ scoring
     def log_prob(self, rollout: Rollout, index: torch.Tensor) -> PolicyOutput:
-        """Log-probs [n, C] of the completion tokens of rows `index` (one forward: a sequence is scored whole)."""
-        ids = rollout.extras["completion_ids"][index]                                       # [n, C]
+        """Log-probs [n, C] of the completion tokens of rows `index` (one scoring call: `score`)."""
+        ids = rollout.extras["completion_ids"][index].to(self.device)                      # [n, C]
         prompts = [self.encode_prompt(rollout.examples[i]) for i in index.tolist()]
         distinct = list({id(p): p for p in prompts}.values())                              # U prompts
-        if self.shared_prefix and len(distinct) < len(prompts):  # some prompt has several rows
-            logits = self._shared_prefix_logits(prompts, distinct, ids)
+        # several processes: every scoring call takes the shared-prefix path, so every rank makes the same model calls
+        if self.shared_prefix and (self.lockstep or len(distinct) < len(prompts)):
+            order = {id(p): u for u, p in enumerate(distinct)}
+            rows = torch.tensor([order[id(p)] for p in prompts], device=self.device)       # [n] -> its prompt
+            args = (self._collate(distinct), ids, rows)
         else:
-            c = ids.shape[1]
-            logits = self.model(**self._collate(prompts, ids), use_cache=False, logits_to_keep=c + 1).logits[:, :c]
+            args = (self._collate(prompts, ids), ids)
+        # DDP: a pass with gradients is one call of the DDP module, however many model calls it makes
+        score = self._ddp_score if self._ddp_score is not None and torch.is_grad_enabled() else self.score
+        logits = score(*args)
         temperature = self.cfg.temperature if self.cfg.temperature > 0 else 1.0
         logits = logits.float() / temperature
         if self.suppress_ids:
             logits[..., self.suppress_ids] = float("-inf")
-        logp, ent = selective_log_softmax(logits, ids.to(self.device))
+        logp, ent = selective_log_softmax(logits, ids)
         # padding after EOS (or after a truncated row, once injection widened the batch): 0, never -inf
-        real = (completion_mask(ids, self.eos_id) & rollout.action_mask[index]).to(self.device)
+        real = (completion_mask(ids, self.eos_id) & rollout.action_mask[index].to(self.device))
         return PolicyOutput(logp.masked_fill(~real, 0.0), {"entropy": ent.masked_fill(~real, 0.0)})
 
-    def _shared_prefix_logits(self, prompts: list[dict], distinct: list[dict], ids: torch.Tensor) -> torch.Tensor:
-        """Logits [n, C, V] of completions ids [n, C] (row r under prompts[r]) with each distinct prompt (and its
-        media) run once: its KV cache is indexed out to its rows, then only completion tokens are run. Equals
-        the naive [prompt | completion] forward (same positions and mask; tests/test_vlm_policy.py); gradients
-        flow into the prompt pass through the cache."""
-        order = {id(p): u for u, p in enumerate(distinct)}
-        rows = torch.tensor([order[id(p)] for p in prompts], device=self.device)           # [n] -> its prompt
-        first, cache, start, mask = self.prefill(self._collate(distinct), rows)
-        c = ids.shape[1]
-        if c == 1:
-            return first[:, None]
-        ids = ids.to(self.device)
-        mask = torch.cat([mask, completion_mask(ids, self.eos_id).long()[:, :-1]], 1)
-        pos = start.unsqueeze(1) + torch.arange(c - 1, device=self.device)                 # [n, C-1]
-        rest = self.model(input_ids=ids[:, :-1], attention_mask=mask, position_ids=pos, past_key_values=cache,
-                          use_cache=True).logits                                            # [n, C-1, V]
-        return torch.cat([first[:, None], rest], 1)                                         # [n, C, V]
+    def score(self, batch: dict, ids: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [n, C, V] of completions ids [n, C]. rows None: batch holds the n [prompt | completion] sequences,
+        one forward. rows [n] (row -> prompt): batch holds the U distinct prompts, and each (with its media) runs once;
+        its KV cache is indexed out to its rows, then the completion tokens run against it: two forwards, whatever
+        U, n and C (several processes count on it). Equals the naive forward (same positions and mask;
+        tests/test_vlm_policy.py); gradients flow into the prompt pass through the cache. Under gradient checkpointing
+        both passes keep the cache through their checkpointed layers (mmrl/policy/token_kv.py): each prompt is
+        recomputed once in backward, not once per row."""
+        if rows is None:
+            c = ids.shape[1]
+            return self.model(**batch, use_cache=False, logits_to_keep=c + 1).logits[:, :c]
+        from transformers.cache_utils import Cache
 
-    def prefill(self, batch: dict, rows: torch.Tensor):
+        from mmrl.policy.token_kv import PromptKV, RowKV
+
+        with self._cache_through_checkpoints():
+            first, prompt_kv, start, mask = self.prefill(batch, rows, Cache(layer_class_to_replicate=PromptKV))
+            kv = Cache(layers=[RowKV(layer.keys, layer.values) for layer in prompt_kv.layers])
+            # all C tokens run (the last one's logits unused): one completion forward even when C is 1
+            mask = torch.cat([mask, completion_mask(ids, self.eos_id).long()], 1)          # [n, P + C]
+            pos = start.unsqueeze(1) + torch.arange(ids.shape[1], device=self.device)      # [n, C]
+            rest = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=kv,
+                              use_cache=False).logits                                     # [n, C, V]
+        return torch.cat([first[:, None], rest[:, :-1]], 1)                               # [n, C, V]
+
+    @contextlib.contextmanager
+    def _cache_through_checkpoints(self):
+        """Checkpointed decoder layers keep the scoring caches (transformers drops a cache there unless the layer
+        says it can keep it: a recompute would append to a growing cache a second time; the scoring caches never
+        grow, so a recompute reads and writes what the forward did: mmrl/policy/token_kv.py)."""
+        for m in self._checkpointed:
+            m._can_checkpoint_with_cache = True
+        try:
+            yield
+        finally:
+            for m in self._checkpointed:
+                del m._can_checkpoint_with_cache
+
+    def prefill(self, batch: dict, rows: torch.Tensor, cache=None):
         """Run the U prompts of `batch` once and index them out to rows [n] (row -> prompt). Returns the logits
-        of each row's first completion token [n, V], the KV cache [n, heads, P, d] per layer, the position of
-        each row's first completion token [n] (completion tokens are text: one position each, continuing
-        from the last prompt token) and the prompt attention mask [n, P]."""
+        of each row's first completion token [n, V], the KV cache [n, heads, P, d] per layer (into `cache` when
+        given, else the model's own), the position of each row's first completion token [n] (completion tokens are
+        text: one position each, continuing from the last prompt token) and the prompt attention mask [n, P]."""
         pos = self._prompt_positions(batch)                     # [U, P] or [3, U, P]; None: the model's arange
-        out = self.model(**{**batch, **({"position_ids": pos} if pos is not None else {})}, use_cache=True,
-                         logits_to_keep=1)
-        cache = out.past_key_values
+        # a cache given is filled whatever use_cache says (False: no warning that checkpointing turns it off)
+        out = self.model(**{**batch, **({"position_ids": pos} if pos is not None else {})}, past_key_values=cache,
+                         use_cache=cache is None, logits_to_keep=1)
+        cache = out.past_key_values if cache is None else cache
         cache.batch_select_indices(rows)
         u, width = batch["attention_mask"].shape
         start = (pos[..., -1].view(-1, u).amax(0) + 1 if pos is not None
@@ -423,27 +452,32 @@ class TokenPolicy(PolicyDefaults):
         return [self.model]
 
     def parallelize(self, wrap, parallel: str) -> None:
-        """DDP: the scoring pass goes through the DDP wrapper; generation uses the unwrapped model. FSDP2: the
-        model is sharded in place, and since every forward all-gathers parameters on all ranks, every rank must
-        run the same forwards: decoding runs until all ranks are done (prefix-cache engine only), old log-probs
-        pad to the most chunks. Both: one forward per scoring call (the shared-prefix pass is turned off)."""
+        """DDP: the scoring pass with gradients is one forward of a DDP module around `score` (its prompt and completion
+        model calls are one DDP forward, which DDP's reducer needs: it marks each parameter ready once per backward);
+        the model itself stays unwrapped (generation, no-grad scoring). FSDP2: the model is sharded in place, and
+        since every forward all-gathers parameters on all ranks, every rank must run the same forwards: decoding runs
+        until all ranks are done (prefix-cache engine only), old log-probs pad to the most chunks, and with
+        shared-prefix scoring every scoring call takes the two-forward path (`lockstep`), whatever its rows."""
         if parallel in SHARDED:
             if not isinstance(self.engine, PrefixCacheEngine):
                 raise ConfigError(f"train.parallel={parallel} needs sampler.engine=prefix_cache for token policies")
             # on the trainer's Distributed (set before parallelize): its CPU group, as NCCL has no CPU backend
             self.engine.all_done = self.dist.all_true
             self.pad_forwards = lambda n: self.dist.max_int(n) - n
-        # one forward per scoring call on every rank (the shared-prefix pass makes one or two, by minibatch)
-        self.shared_prefix = False
-        self.model = wrap(self.model)
+            self.lockstep = True
+            self.model = wrap(self.model)
+        else:
+            from mmrl.policy.token_kv import OneCall
+
+            self._ddp_score = wrap(OneCall(self.model, self.score))
 
     def enable_gradient_checkpointing(self) -> None:
-        """Checkpointed training forwards keep no KV cache (transformers turns it off), which the shared-prefix
-        scoring pass needs: scoring then runs one [prompt | completion] forward per row."""
+        """Checkpointed decoder layers; shared-prefix scoring keeps its KV caches through them (`score`)."""
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
         self.model.gradient_checkpointing_enable()
-        if self.shared_prefix:
-            log.info("train.gradient_checkpointing: shared-prefix scoring is off (it needs the KV cache)")
-        self.shared_prefix = False
+        self._checkpointed = [m for m in self.model.modules()
+                              if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
 
     @torch.no_grad()
     def evaluate(self, examples: list[dict], seed: int) -> list[str]:

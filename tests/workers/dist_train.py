@@ -21,6 +21,18 @@ def completion_length(outputs, examples):
     return [float(len(o)) for o in outputs]
 
 
+def count_scoring_prefills(policy) -> list[int]:
+    """Counts the prompt passes of shared-prefix scoring (the engine keeps its own reference to prefill)."""
+    calls, prefill = [0], policy.prefill
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return prefill(*a, **kw)
+
+    policy.prefill = counted
+    return calls
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -54,6 +66,7 @@ def main():
         cfg = load_config(os.path.join(ROOT, "configs/tiny/flow_smoke.yaml"),
                           common + ["train.prompts_per_iter=3", "train.group_size=4"])
     tr = Trainer(cfg)
+    prefills = count_scoring_prefills(tr.policy) if args.world else [0]
     for it in range(args.resume_at or args.steps):
         tr.iteration = it  # as Trainer.fit does
         m = tr.step(it)
@@ -79,7 +92,8 @@ def main():
     params = {f"p{i}": full(q).detach().clone().contiguous() for i, q in enumerate(tr.params)}
     if tr.dist.main:
         save_file(params, args.out)
-        print(f"world {tr.dist.world} reward {m['reward/overall_mean']:.4f} loss {m['train/loss']:.6f}", flush=True)
+        print(f"world {tr.dist.world} reward {m['reward/overall_mean']:.4f} loss {m['train/loss']:.6f} "
+              f"scoring prefills {prefills[0]}", flush=True)
     tr.dist.close()
 
 
