@@ -4,7 +4,8 @@ calls a flow recipe makes, side by side on the same inputs and weights:
 - sampling: the CFG-guided velocity without gradients (one rollout step of --rows rows, x2 with CFG);
 - training: the CFG-guided velocity with gradients (sampler.cfg_grad=cond) and its backward, --rows transitions.
 
-Reported: seconds per call (median of --repeats after one warm-up call), the compile time (the first compiled call
+Reported: seconds per call (median of --repeats after one warm-up call; wall and this process's CPU time, the
+steadier figure on a shared machine), the compile time (the first compiled call
 of each kind minus an eager call: what a run pays once per shape; inductor's on-disk cache starts empty unless
 --warm-cache), the speed-up eager / compiled, and the largest
 absolute differences of the velocity and of the gradients (relative to the gradients' scale). Model: an
@@ -41,10 +42,11 @@ def build(layers: int, heads: int, size: int, seed: int = 0):
                      cfg_grad="cond")
 
 
-def timed(fn) -> tuple[float, object]:
-    t0 = time.perf_counter()
+def timed(fn) -> tuple[float, float, object]:
+    """(wall seconds, this process's CPU seconds, fn()): on a shared machine the CPU time is the steadier figure."""
+    t0, c0 = time.perf_counter(), time.process_time()
     out = fn()
-    return time.perf_counter() - t0, out
+    return time.perf_counter() - t0, time.process_time() - c0, out
 
 
 def main() -> None:
@@ -88,32 +90,37 @@ def main() -> None:
         return [q.grad.clone() for q in params]
 
     calls = {"sampling": sampling, "training": training}
-    res = {"eager": {}, "compiled": {}, "compile_s": {}}
+    res = {"eager": {}, "compiled": {}, "eager_cpu": {}, "compiled_cpu": {}, "compile_s": {}}
     first = {}
     for name, fn in calls.items():
         times = [timed(fn) for _ in range(a.repeats + 1)]  # the first call warms up
-        res["eager"][name] = statistics.median(t for t, _ in times[1:])
-        first[name] = times[-1][1]
+        res["eager"][name] = statistics.median(t for t, _, _ in times[1:])
+        res["eager_cpu"][name] = statistics.median(c for _, c, _ in times[1:])
+        first[name] = times[-1][2]
     t0 = time.perf_counter()
     compile_blocks([model.transformer], torch.device("cpu"))
     setup = time.perf_counter() - t0
     outs = {}
     for name, fn in calls.items():
-        t_first, _ = timed(fn)  # compiles this call's graphs (forward; with gradients also the backward)
+        t_first, _, _ = timed(fn)  # compiles this call's graphs (forward; with gradients also the backward)
         res["compile_s"][name] = t_first - res["eager"][name]
         times = [timed(fn) for _ in range(a.repeats)]
-        res["compiled"][name] = statistics.median(t for t, _ in times)
-        outs[name] = times[-1][1]
+        res["compiled"][name] = statistics.median(t for t, _, _ in times)
+        res["compiled_cpu"][name] = statistics.median(c for _, c, _ in times)
+        outs[name] = times[-1][2]
     v_diff = float((outs["sampling"] - first["sampling"]).abs().max())
     scale = max(float(q.abs().max()) for q in first["training"])
     g_diff = max(float((u - v).abs().max()) for u, v in zip(first["training"], outs["training"]))
     out = {"params_m": sum(q.numel() for q in params) / 1e6, "layers": a.layers, "latent": a.size, "rows": n,
            "cfg_scale": w, "threads": a.threads, "torch": torch.__version__, "backend": "inductor", **res,
-           "speedup": {k: res["eager"][k] / res["compiled"][k] for k in calls}, "compile_setup_s": setup,
+           "speedup": {k: res["eager"][k] / res["compiled"][k] for k in calls},
+           "speedup_cpu": {k: res["eager_cpu"][k] / res["compiled_cpu"][k] for k in calls}, "compile_setup_s": setup,
            "max_abs_velocity_diff": v_diff, "max_abs_grad_diff": g_diff, "grad_scale": scale}
     print(f"{out['params_m']:.0f} M parameters, {n} rows (x2 with CFG {w}), {a.threads} thread(s): "
           + "; ".join(f"{k} eager {res['eager'][k]:.3f} s, compiled {res['compiled'][k]:.3f} s "
-                      f"({out['speedup'][k]:.2f}x), compile {res['compile_s'][k]:.0f} s" for k in calls)
+                      f"({out['speedup'][k]:.2f}x; CPU time {out['speedup_cpu'][k]:.2f}x), "
+                      f"compile {res['compile_s'][k]:.0f} s"
+                      for k in calls)
           + f"; max |dv| {v_diff:.1e}, max |dgrad| {g_diff:.1e} (scale {scale:.1e})")
     print(json.dumps(out))
 

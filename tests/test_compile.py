@@ -39,7 +39,8 @@ def test_repeated_blocks_of_each_kind(tmp_path):
     assert repeated_blocks(sd3) == list(sd3.transformer_blocks)
     lm = build_causal_lm(build_tokenizer(["a b c"]))
     peft_lm = get_peft_model(lm, LoraConfig(r=2, target_modules=["q_proj"]))
-    assert names(repeated_blocks(peft_lm)) == ["Qwen2DecoderLayer"] and len(repeated_blocks(peft_lm)) == len(lm.model.layers)
+    found = repeated_blocks(peft_lm)
+    assert names(found) == ["Qwen2DecoderLayer"] and len(found) == len(lm.model.layers)
     block = flux.single_transformer_blocks[0]  # fully_shard swaps a unit's class for an FSDP<Block> subclass
     block.__class__ = type("FSDP" + type(block).__name__, (type(block),), {})
     assert block in repeated_blocks(flux)
@@ -72,10 +73,10 @@ def test_trainer_compiles_after_wrapping(tiny_pixel_model, tmp_path, monkeypatch
         return compile_blocks(modules, device, backend="eager")
 
     monkeypatch.setattr(mmrl.compiled, "compile_blocks", eager_backend)
-    cfg = load_config("configs/tiny/flow_smoke.yaml", [f"model.path={tiny_pixel_model}", f"log.out_dir={tmp_path}",
-                                                       "log.tensorboard=false", "train.iterations=1", "train.compile=true",
-                                                       "model.lora.enabled=true", "model.lora.rank=4",
-                                                       "log.eval_at_start=false", "task.eval_prompts=2"])
+    cfg = load_config("configs/tiny/flow_smoke.yaml", [
+        f"model.path={tiny_pixel_model}", f"log.out_dir={tmp_path}", "log.tensorboard=false", "train.iterations=1",
+        "train.compile=true", "model.lora.enabled=true", "model.lora.rank=4", "log.eval_at_start=false",
+        "task.eval_prompts=2"])
     tr = Trainer(cfg)
     assert calls == [["SD3Transformer2DModel"]] and all(b._compiled_call_impl is not None
                                                         for b in tr.policy.transformer.transformer_blocks)

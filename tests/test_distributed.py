@@ -94,27 +94,30 @@ def test_token_policy_ends_where_one_process_ends(tiny_vl, tiny_world, tmp_path)
         assert d < 1e-5, f"{mode}: {d}"
 
 
-def test_shared_prefix_scoring_under_ddp_fsdp_and_checkpointing_ends_where_one_process_without_it_ends(
-        tiny_vl, tiny_world, tmp_path):
+# ~100 s each; without checkpointing (slow) DDP and FSDP2 still score with the shared prefix in the default set, in
+# test_token_policy_ends_where_one_process_ends (against one process with it, itself equal to one without it)
+@pytest.mark.parametrize("checkpointing", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_shared_prefix_scoring_on_two_processes_ends_where_one_process_without_it_ends(checkpointing, tiny_vl,
+                                                                                        tiny_world, tmp_path):
     """Shared-prefix scoring on 2 processes: under DDP (prompt and completion forwards as one DDP forward) and FSDP2
-    (every scoring call makes the two forwards on every rank), each also with gradient checkpointing (the prompt
-    recomputed once in backward through the kept KV cache), 2 iterations end with the parameters of one process
+    (every scoring call makes the two forwards on every rank), with gradient checkpointing (the prompt recomputed
+    once in backward through the kept KV cache) or without, 2 iterations end with the parameters of one process
     scoring each row whole (model.shared_prefix=false). 1e-5 as above (prompts padded differently)."""
     reward = ["--set", "reward.name=dist_train:completion_length", "reward.kwargs={}"]
     one = run(tiny_vl, str(tmp_path / "one" / "vl.safetensors"), "--parallel", "none", "--steps", "2",
               "--world", tiny_world, *reward, "model.shared_prefix=false")
     assert one.returncode == 0, one.stderr[-3000:]
     assert "scoring prefills 0" in one.stdout  # the per-row path
-    for mode, ckpt in (("ddp", False), ("fsdp", False), ("ddp", True), ("fsdp", True)):
-        name = f"{mode}-ckpt" if ckpt else mode
-        r = run(tiny_vl, str(tmp_path / name / "vl.safetensors"), "--parallel", mode, "--steps", "2",
-                "--world", tiny_world, *reward, f"train.gradient_checkpointing={str(ckpt).lower()}", procs=2)
+    for mode in ("ddp", "fsdp"):
+        r = run(tiny_vl, str(tmp_path / mode / "vl.safetensors"), "--parallel", mode, "--steps", "2",
+                "--world", tiny_world, *reward, f"train.gradient_checkpointing={str(checkpointing).lower()}", procs=2)
         assert r.returncode == 0, r.stderr[-3000:]
         prefills = int(r.stdout.split("scoring prefills ")[1].split()[0])
         assert "world 2" in r.stdout and prefills >= 4  # every training forward (2 x 2 minibatches) shares its prompts
-        d = max_diff(tmp_path / "one" / "vl.safetensors", tmp_path / name / "vl.safetensors")
-        print(f"shared-prefix scoring, {name}: max abs difference from one process without it {d:.2e}")
-        assert d < 1e-5, f"{name}: {d}"
+        d = max_diff(tmp_path / "one" / "vl.safetensors", tmp_path / mode / "vl.safetensors")
+        print(f"shared-prefix scoring, {mode}, checkpointing {checkpointing}: max abs difference from one process "
+              f"without it {d:.2e}")
+        assert d < 1e-5, f"{mode}: {d}"
 
 
 def test_tgrpo_contrast_under_fsdp_with_micro_batches_ends_where_one_process_ends(tiny_vl, tiny_world, tmp_path):

@@ -304,7 +304,8 @@ class TokenPolicy(PolicyDefaults):
     # ------------------------------------------------------------------------------------------ scoring
     def log_prob(self, rollout: Rollout, index: torch.Tensor) -> PolicyOutput:
         """Log-probs [n, C] of the completion tokens of rows `index` (one scoring call: `score`)."""
-        ids = rollout.extras["completion_ids"][index].to(self.device)                      # [n, C]
+        cpu_ids = rollout.extras["completion_ids"][index]                                   # [n, C]
+        ids = cpu_ids.to(self.device)
         prompts = [self.encode_prompt(rollout.examples[i]) for i in index.tolist()]
         distinct = list({id(p): p for p in prompts}.values())                              # U prompts
         # several processes: every scoring call takes the shared-prefix path, so every rank makes the same model calls
@@ -313,7 +314,7 @@ class TokenPolicy(PolicyDefaults):
             rows = torch.tensor([order[id(p)] for p in prompts], device=self.device)       # [n] -> its prompt
             args = (self._collate(distinct), ids, rows)
         else:
-            args = (self._collate(prompts, ids), ids)
+            args = (self._collate(prompts, cpu_ids), ids)
         # DDP: a pass with gradients is one call of the DDP module, however many model calls it makes
         score = self._ddp_score if self._ddp_score is not None and torch.is_grad_enabled() else self.score
         logits = score(*args)
@@ -472,12 +473,18 @@ class TokenPolicy(PolicyDefaults):
             self._ddp_score = wrap(OneCall(self.model, self.score))
 
     def enable_gradient_checkpointing(self) -> None:
-        """Checkpointed decoder layers; shared-prefix scoring keeps its KV caches through them (`score`)."""
+        """Checkpointed decoder layers; shared-prefix scoring keeps its KV caches through them (`score`): transformers'
+        GradientCheckpointingLayer, the layers of its built-in models."""
         from transformers.modeling_layers import GradientCheckpointingLayer
 
         self.model.gradient_checkpointing_enable()
         self._checkpointed = [m for m in self.model.modules()
                               if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+        if not self._checkpointed and self.shared_prefix:  # a model checkpointing its own way may drop the cache
+            log.info("train.gradient_checkpointing: %s has no transformers GradientCheckpointingLayer to keep the KV "
+                     "cache in: shared-prefix scoring is off (one [prompt | completion] forward per row)",
+                     type(self.model).__name__)
+            self.shared_prefix = False
 
     @torch.no_grad()
     def evaluate(self, examples: list[dict], seed: int) -> list[str]:
