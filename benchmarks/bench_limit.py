@@ -16,8 +16,8 @@ Policies (random init, built here, no hub):
   parameters; 8: 165 M), full fine-tuning, Flow-GRPO with CFG 4.5 (sampler.cfg_grad=cond) in sampling and training, the
   shapes detector as reward (no network);
 - token: a causal LM with SmolLM2-135M's body (LlamaForCausalLM, 30 layers x 576, 9 heads, 3 KV heads; a local
-  384-token vocabulary: 106 M parameters, 111 M with its adapters) with LoRA rank 16, G completions sharing one long prompt
-  (--prompt-tokens), shared-prefix sampling and scoring, a completion-length reward (no network).
+  384-token vocabulary: 106 M parameters, 111 M with its adapters) with LoRA rank 16, G completions sharing one
+  long prompt (--prompt-tokens), shared-prefix sampling and scoring, a completion-length reward (no network).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_limit.py            # both at the sizes above (~8 min of CPU time)
     OMP_NUM_THREADS=1 python benchmarks/bench_limit.py --quick    # 2-layer models (~1 min of CPU time)
@@ -35,6 +35,7 @@ training forwards, training backwards, reward forwards), ratio, overhead_s by ph
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -57,7 +58,7 @@ FILLER = ("The report below describes a small town by the river, its market on t
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", choices=["flow", "token", "both"], default="both")
-    p.add_argument("--quick", action="store_true", help="small models and rollouts (2 layers of each), seconds per iteration")
+    p.add_argument("--quick", action="store_true", help="2-layer models, small rollouts: seconds per iteration")
     p.add_argument("--iterations", type=int, default=2, help="timed iterations (after one warm-up), each replayed")
     p.add_argument("--replays", type=int, default=2, help="standalone replays of each call (its fastest counts)")
     p.add_argument("--threads", type=int, default=1)
@@ -92,8 +93,15 @@ class Call:
 
 
 @dataclass
+class TensorCopy:
+    value: object  # torch.Tensor, detached
+    requires_grad: bool
+
+
+@dataclass
 class CacheSpec:
-    layers: list  # [(key shape, value shape, dtype, requires_grad)] per layer
+    cache: object  # the cache object as it came in (its class and settings: layers the model adds are of its kind)
+    layers: list   # [(layer object, key shape, value shape, dtype, requires_grad)] as they came in
 
 
 def is_cache(x) -> bool:
@@ -126,17 +134,35 @@ def snapshot(obj):
     import torch
 
     if isinstance(obj, torch.Tensor):
-        return ("tensor", obj.detach().clone(), obj.requires_grad)
+        return TensorCopy(obj.detach().clone(), obj.requires_grad)
     if is_cache(obj):
-        ts = cache_tensors(obj)
-        return CacheSpec([(k.shape, v.shape, k.dtype, k.requires_grad) for k, v in zip(ts[::2], ts[1::2])])
+        if not hasattr(obj, "layers"):  # a legacy cache: its shapes, replayed as a DynamicCache
+            ts = cache_tensors(obj)
+            return CacheSpec(None, [(None, k.shape, v.shape, k.dtype, k.requires_grad)
+                                    for k, v in zip(ts[::2], ts[1::2])])
+        return CacheSpec(shell(obj, layers=[]), [(shell(lay), lay.keys.shape, lay.values.shape, lay.keys.dtype,
+                                                  lay.keys.requires_grad) if lay.keys is not None else (shell(lay),)
+                                                 for lay in obj.layers])
     if isinstance(obj, dict):
         return {k: snapshot(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [snapshot(v) for v in obj]
-    if isinstance(obj, tuple) and not (len(obj) == 3 and obj[0] == "tensor"):
+    if isinstance(obj, tuple):
         return tuple(snapshot(v) for v in obj)
     return obj
+
+
+def shell(obj, **empty):
+    """A shallow copy of a cache or cache layer that holds no tensor of the original (they would stay in memory)."""
+    import torch
+
+    out = copy.copy(obj)
+    for k, v in vars(out).items():
+        if isinstance(v, torch.Tensor):
+            setattr(out, k, None)
+    for k, v in empty.items():
+        setattr(out, k, v)
+    return out
 
 
 def rebuild(obj, device):
@@ -144,14 +170,23 @@ def rebuild(obj, device):
     import torch
     from transformers import DynamicCache
 
-    if isinstance(obj, tuple) and len(obj) == 3 and obj[0] == "tensor":
-        t = obj[1].clone()
-        return t.requires_grad_() if obj[2] and t.is_floating_point() else t
+    if isinstance(obj, TensorCopy):
+        t = obj.value.clone()
+        return t.requires_grad_() if obj.requires_grad and t.is_floating_point() else t
     if isinstance(obj, CacheSpec):
-        cache = DynamicCache()
-        for i, (ks, vs, dtype, rg) in enumerate(obj.layers):
-            cache.update(torch.randn(ks, dtype=dtype, device=device, requires_grad=rg),
-                         torch.randn(vs, dtype=dtype, device=device, requires_grad=rg), i)
+        rand = lambda shape, dtype, rg: torch.randn(shape, dtype=dtype, device=device, requires_grad=rg)  # noqa: E731
+        if obj.cache is None:
+            cache = DynamicCache()
+            for i, (_, ks, vs, dtype, rg) in enumerate(obj.layers):
+                cache.update(rand(ks, dtype, rg), rand(vs, dtype, rg), i)
+            return cache
+        cache, layers = copy.copy(obj.cache), []
+        for spec in obj.layers:
+            layer = copy.copy(spec[0])  # the same layer class (a KV layer that stores, or one that only reads)
+            if len(spec) > 1:
+                layer.keys, layer.values = rand(spec[1], spec[3], spec[4]), rand(spec[2], spec[3], spec[4])
+            layers.append(layer)
+        cache.layers = layers
         return cache
     if isinstance(obj, dict):
         return {k: rebuild(v, device) for k, v in obj.items()}
@@ -254,7 +289,7 @@ def replay(calls: list[Call], modules: dict, params: list) -> list[tuple[float, 
 
 # ------------------------------------------------------------------------------------------------ the policies
 def flow_folder(path: str, layers: int) -> None:
-    """The shapes base with its transformer widened (random init, fp32), as benchmarks/bench_memory_dist.py builds it."""
+    """The shapes base with its transformer widened (random init, fp32), as bench_memory_dist.py builds it."""
     import torch
     from diffusers import SD3Transformer2DModel
 
@@ -269,7 +304,8 @@ def flow_folder(path: str, layers: int) -> None:
 def flow_overrides(folder: str, args, out: str) -> tuple[str, list[str]]:
     window = min(3, args.flow_steps - 1)
     return "configs/t2i/shapes_grpo.yaml", [
-        f"model.path={folder}", "sampler.cfg_scale=4.5", "sampler.cfg_grad=cond", f"sampler.num_steps={args.flow_steps}",
+        f"model.path={folder}", "sampler.cfg_scale=4.5", "sampler.cfg_grad=cond",
+        f"sampler.num_steps={args.flow_steps}",
         f"sampler.sde_window_size={window}", f"sampler.sde_window_range=[0,{args.flow_steps - window}]",
         f"train.prompts_per_iter={args.flow_prompts}", f"train.group_size={args.flow_group}", "train.minibatches=2",
         "model.reference=none", "algo.kl_coef=0.0"] + common(out, args)
