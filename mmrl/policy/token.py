@@ -26,6 +26,7 @@ import os
 import torch
 from mmrl.data import PolicyOutput, Rollout
 from mmrl.errors import ConfigError, MissingFile
+from mmrl.policy.token_kv import OneCall, SharedPrefixScoring
 from mmrl.policy.base import (PolicyDefaults, base_model_path, load_lora_adapter, reference_kind, resolve_model_path,
                               save_lora_adapter, upcast_trainable, write_policy_meta)
 from mmrl.rollout.engine import ENGINES, PrefixCacheEngine, SamplingParams, completion_mask
@@ -51,7 +52,7 @@ def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torc
     return torch.stack(logps), torch.stack(ents)
 
 
-class TokenPolicy(PolicyDefaults):
+class TokenPolicy(SharedPrefixScoring, PolicyDefaults):
     def __init__(self, *, model, processor, sampler_cfg, lora_cfg, video: VideoOptions | None = None,
                  freeze_vision: bool = True, reference: str = "auto", model_path: str = "",
                  video_on_error: str = "raise", cache_size: int = 512, shared_prefix: bool = True,
@@ -327,76 +328,6 @@ class TokenPolicy(PolicyDefaults):
         real = (completion_mask(ids, self.eos_id) & rollout.action_mask[index].to(self.device))
         return PolicyOutput(logp.masked_fill(~real, 0.0), {"entropy": ent.masked_fill(~real, 0.0)})
 
-    def score(self, batch: dict, ids: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [n, C, V] of completions ids [n, C]. rows None: batch holds the n [prompt | completion] sequences,
-        one forward. rows [n] (row -> prompt): batch holds the U distinct prompts, and each (with its media) runs once;
-        its KV cache is indexed out to its rows, then the completion tokens run against it: two forwards, whatever
-        U, n and C (several processes count on it). Equals the naive forward (same positions and mask;
-        tests/test_vlm_policy.py); gradients flow into the prompt pass through the cache. Under gradient checkpointing
-        both passes keep the cache through their checkpointed layers (mmrl/policy/token_kv.py): each prompt is
-        recomputed once in backward, not once per row."""
-        if rows is None:
-            c = ids.shape[1]
-            return self.model(**batch, use_cache=False, logits_to_keep=c + 1).logits[:, :c]
-        from transformers.cache_utils import Cache
-
-        from mmrl.policy.token_kv import PromptKV, RowKV
-
-        with self._cache_through_checkpoints():
-            first, prompt_kv, start, mask = self.prefill(batch, rows, Cache(layer_class_to_replicate=PromptKV))
-            kv = Cache(layers=[RowKV(layer.keys, layer.values) for layer in prompt_kv.layers])
-            # all C tokens run (the last one's logits unused): one completion forward even when C is 1
-            mask = torch.cat([mask, completion_mask(ids, self.eos_id).long()], 1)          # [n, P + C]
-            pos = start.unsqueeze(1) + torch.arange(ids.shape[1], device=self.device)      # [n, C]
-            rest = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=kv,
-                              use_cache=False).logits                                     # [n, C, V]
-        return torch.cat([first[:, None], rest[:, :-1]], 1)                               # [n, C, V]
-
-    @contextlib.contextmanager
-    def _cache_through_checkpoints(self):
-        """Checkpointed decoder layers keep the scoring caches (transformers drops a cache there unless the layer
-        says it can keep it: a recompute would append to a growing cache a second time; the scoring caches never
-        grow, so a recompute reads and writes what the forward did: mmrl/policy/token_kv.py)."""
-        for m in self._checkpointed:
-            m._can_checkpoint_with_cache = True
-        try:
-            yield
-        finally:
-            for m in self._checkpointed:
-                del m._can_checkpoint_with_cache
-
-    def prefill(self, batch: dict, rows: torch.Tensor, cache=None):
-        """Run the U prompts of `batch` once and index them out to rows [n] (row -> prompt). Returns the logits
-        of each row's first completion token [n, V], the KV cache [n, heads, P, d] per layer (into `cache` when
-        given, else the model's own), the position of each row's first completion token [n] (completion tokens are
-        text: one position each, continuing from the last prompt token) and the prompt attention mask [n, P]."""
-        pos = self._prompt_positions(batch)                     # [U, P] or [3, U, P]; None: the model's arange
-        # a cache given is filled whatever use_cache says (False: no warning that checkpointing turns it off)
-        out = self.model(**{**batch, **({"position_ids": pos} if pos is not None else {})}, past_key_values=cache,
-                         use_cache=cache is None, logits_to_keep=1)
-        cache = out.past_key_values if cache is None else cache
-        cache.batch_select_indices(rows)
-        u, width = batch["attention_mask"].shape
-        start = (pos[..., -1].view(-1, u).amax(0) + 1 if pos is not None
-                 else torch.full((u,), width, device=self.device))                         # [U]
-        return out.logits[:, -1][rows], cache, start[rows], batch["attention_mask"][rows]
-
-    def _prompt_positions(self, batch: dict) -> torch.Tensor | None:
-        """Position ids a full forward gives the prompt batch: counted over real tokens for causal LMs ([U, P],
-        from _collate); M-RoPE ids from the model's own get_rope_index ([3, U, P]) for prompts with media; None
-        for a VLM prompt without media (the model then uses a plain arange)."""
-        if not self.is_vlm:
-            return batch["position_ids"]
-        if not any(k in batch for k in ("image_grid_thw", "video_grid_thw")):
-            return None
-        import inspect
-
-        m = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        get_rope_index = m.model.get_rope_index
-        accepted = inspect.signature(get_rope_index).parameters
-        kw = {k: v for k, v in batch.items() if k in accepted and k != "input_ids"}
-        return get_rope_index(batch["input_ids"], **kw)[0]
-
     def replace_outputs(self, rollout: Rollout, rows: torch.Tensor, texts: list[str]) -> Rollout:
         """Rollout whose rows `rows` [k] hold `texts` (+ EOS) as completions, marked off-policy, their old
         log-probs recomputed under the current weights (TempSamp-R1 ground-truth injection)."""
@@ -468,23 +399,7 @@ class TokenPolicy(PolicyDefaults):
             self.lockstep = True
             self.model = wrap(self.model)
         else:
-            from mmrl.policy.token_kv import OneCall
-
             self._ddp_score = wrap(OneCall(self.model, self.score))
-
-    def enable_gradient_checkpointing(self) -> None:
-        """Checkpointed decoder layers; shared-prefix scoring keeps its KV caches through them (`score`): transformers'
-        GradientCheckpointingLayer, the layers of its built-in models."""
-        from transformers.modeling_layers import GradientCheckpointingLayer
-
-        self.model.gradient_checkpointing_enable()
-        self._checkpointed = [m for m in self.model.modules()
-                              if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
-        if not self._checkpointed and self.shared_prefix:  # a model checkpointing its own way may drop the cache
-            log.info("train.gradient_checkpointing: %s has no transformers GradientCheckpointingLayer to keep the KV "
-                     "cache in: shared-prefix scoring is off (one [prompt | completion] forward per row)",
-                     type(self.model).__name__)
-            self.shared_prefix = False
 
     @torch.no_grad()
     def evaluate(self, examples: list[dict], seed: int) -> list[str]:
