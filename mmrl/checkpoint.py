@@ -38,7 +38,7 @@ import torch
 
 from mmrl import checkpoint_state as cs
 from mmrl.config import SHARDED, to_dict
-from mmrl.distributed import unsharded
+from mmrl.shards import unsharded
 from mmrl.errors import ConfigError, DamagedCheckpoint, MissingFile
 
 log = logging.getLogger(__name__)

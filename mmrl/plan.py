@@ -66,7 +66,8 @@ import torch
 from mmrl.algorithms.objective import build_objective
 from mmrl.config import SHARDED, policy_kind, sample_chunk
 from mmrl.devices import torch_dtype
-from mmrl.distributed import check_parallel_config, transformer_blocks
+from mmrl.distributed import check_parallel_config
+from mmrl.shards import transformer_blocks
 from mmrl.errors import ConfigError, MissingFile
 from mmrl.models.families import all_architectures, lora_targets
 from mmrl.plan_models import (Shapes, decode_peak, flow_model, frozen_parts, janus_frozen, janus_model, janus_scorer,

@@ -22,13 +22,13 @@ import torch
 from tqdm import tqdm
 
 from mmrl import checkpoint as ckpt
-from mmrl import compiled, compose
+from mmrl import compiled, compose, shards
 from mmrl.algorithms import ADVANTAGES
 from mmrl.algorithms.objective import Batch
 from mmrl.algorithms.offpolicy import injection_diagnostics
 from mmrl.config import Config, sample_chunk
 from mmrl.data import Rollout, micro_batches, stratified_minibatches
-from mmrl.distributed import Distributed, check_parallel_config, full
+from mmrl.distributed import Distributed, check_parallel_config
 from mmrl.errors import ConfigError
 from mmrl.evaluation import EVAL_SEED, evaluate_outputs
 from mmrl.metrics import Logger, SignalWatch, Timer, per_category, perf
@@ -232,7 +232,7 @@ class Trainer:
     def step_optimizer(self, stats: PassStats) -> int:
         """Clip and step (and update the EMA); 1, or 0 when the gradient is not finite: the step is skipped, so a NaN
         never reaches the weights (the norm is global, so every rank skips alike). Several in a row stop the run."""
-        norm = full(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)).item()
+        norm = shards.full(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)).item()
         stats.put("grad_norm", norm if math.isfinite(norm) else 0.0, 1)
         stats.put("skipped_steps", float(not math.isfinite(norm)), 1)
         if math.isfinite(norm):

@@ -13,7 +13,7 @@ PACKAGES = ("mmrl", "rewards", "tasks")
 # "x.*" is the package x and everything under it.
 LAYERS = [
     # 0 leaves: import nothing from mmrl (config_files: only the config; any: the user errors, preemption)
-    ["mmrl", "mmrl.errors", "mmrl.devices", "mmrl.preemption", "mmrl.seeds", "mmrl.train_stats", "mmrl.registry", "mmrl.config", "mmrl.config_files", "mmrl.cache", "mmrl.data",
+    ["mmrl", "mmrl.shards", "mmrl.errors", "mmrl.devices", "mmrl.preemption", "mmrl.seeds", "mmrl.train_stats", "mmrl.registry", "mmrl.config", "mmrl.config_files", "mmrl.cache", "mmrl.data",
      "mmrl.metrics", "mmrl.optim", "mmrl.testing",
      "mmrl.testing.fake_device", "mmrl.testing.family", "mmrl.testing.janus", "mmrl.models", "mmrl.models.architectures", "mmrl.models.pixel_t2i",
      "mmrl.models.qwen_vl", "mmrl.sampling.*", "mmrl.rollout", "mmrl.rollout.engine",

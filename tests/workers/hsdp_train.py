@@ -46,7 +46,7 @@ def main():
     from safetensors.torch import save_file
 
     from mmrl.compose import load_config
-    from mmrl.distributed import gather_to
+    from mmrl.shards import gather_to
     from mmrl.trainer import Trainer
 
     os.makedirs(args.out, exist_ok=True)

@@ -54,7 +54,7 @@ def main():
     from safetensors.torch import save_file
 
     from mmrl.compose import load_config
-    from mmrl.distributed import full
+    from mmrl.shards import full
     from mmrl.trainer import Trainer
 
     cfg = load_config(os.path.join(ROOT, "configs/tiny/flow_smoke.yaml"), [
