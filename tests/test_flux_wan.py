@@ -186,12 +186,15 @@ def test_wan22_experts_in_lockstep_run_both_on_every_call(tmp_path):
 
 
 class OtherRank:
-    """A process group of two ranks whose other rank's rows all need the low-noise expert."""
-    syncs = True
+    """A process group of two ranks: the experts the other rank's rows need (`other`), and the decisions asked."""
+    syncs, other = True, (False, False)
 
-    @staticmethod
-    def any_rank(flags):
-        return [flags[0], True]
+    def __init__(self):
+        self.asked = 0
+
+    def any_rank(self, flags):
+        self.asked += 1
+        return [a or b for a, b in zip(flags, self.other)]
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp", "hsdp"])
@@ -211,15 +214,17 @@ def test_wan22_lockstep_only_where_ranks_differ(tmp_path, parallel):
     for name, tr in pol.experts():
         tr.register_forward_pre_hook(lambda m, a, kw, name=name: calls.append((name, len(kw["hidden_states"]))),
                                      with_kwargs=True)
-    ro = pol.sample(PROMPTS[:1], 1, torch.Generator().manual_seed(0))
+    ro = pol.sample(PROMPTS[:1], 1, torch.Generator().manual_seed(0))  # the other rank at the same sigmas
     high = sum(float(s) >= pol.model.boundary for s in pol.sigmas[:-1])
     assert calls == [("transformer", 2)] * high + [("transformer_2", 2)] * (4 - high)  # 4 steps, [uncond | cond]
+    assert pol.dist.asked == (0 if parallel == "ddp" else 4)         # FSDP2 / HSDP: one decision per call
     first = ro.extras["sigma"][0] >= pol.model.boundary              # [A] the trained steps' expert
     assert first.any() and (~first).any()                           # the window spans both experts
     calls[:] = []
     pol.log_prob(ro, torch.tensor([0]))                              # all actions: rows of both experts
     assert calls == [("transformer", int(first.sum())), ("transformer_2", int((~first).sum()))] * 2  # uncond, cond
     mine, idle = ("transformer", int(first.sum())), ("transformer_2", 1)
+    pol.dist.other = (False, True)                                   # the other rank's rows: the low-noise expert
     for syncs in (False, True):                                      # no_sync passes, then a step's last
         pol.dist.syncs, calls[:] = syncs, []
         pol.log_prob(ro, torch.tensor([0]), actions=first[None])      # this rank: one expert's actions only
@@ -231,11 +236,27 @@ def test_wan22_lockstep_only_where_ranks_differ(tmp_path, parallel):
         pol.log_prob(ro, torch.tensor([0]), actions=first[None])     # batched [uncond | cond] call
     batched = ("transformer", 2 * int(first.sum()))
     assert calls == ([batched] if parallel == "ddp" else [batched, idle])
-    pol.dist.any_rank = lambda flags: flags                          # every rank on the same expert: no idle row
-    calls[:] = []
-    pol.dist.syncs = False
+    pol.dist.other, pol.dist.syncs, calls[:] = (False, False), False, []  # every rank on the same expert: no idle row
     pol.log_prob(ro, torch.tensor([0]), actions=first[None])
     assert calls == [mine] * 2
+
+
+def test_wan22_forward_process_noise_levels_decide_together(tmp_path):
+    """A forward-process objective's rollout scores each row at its own noise levels (rows of both experts on each
+    rank): under FSDP2 those calls too run the experts some rank needs, decided once per call."""
+    path = str(tmp_path / "wan22")
+    build_tiny("wan", two_experts=True).save_pretrained(path)
+    pol = policy(path, "model.sample_size=4", "model.num_frames=5", "model.lora.enabled=true", "model.lora.rank=4",
+                 "algo.objective.name=nft", "sampler.forward_timesteps=2", "sampler.forward_t_range=[0.95,1.0]")
+    pol.dist = OtherRank()
+    pol.dist.other = (False, True)                                   # the other rank holds low-noise levels
+    pol.parallelize(lambda m: m, "fsdp")
+    calls = []
+    for name, tr in pol.experts():
+        tr.register_forward_pre_hook(lambda m, a, kw, name=name: calls.append(name), with_kwargs=True)
+    pol.sample(PROMPTS[:1], 1, torch.Generator().manual_seed(0))
+    asked = pol.dist.asked
+    assert calls[-2:] == ["transformer", "transformer_2"] and asked == 5  # 4 sampling steps, then the noise levels
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 4.0])

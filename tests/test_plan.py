@@ -429,8 +429,9 @@ def test_micro_batch_auto_is_the_largest_that_fits():
 
 def test_micro_batch_auto_at_its_bounds():
     """On the shapes world: the pick's planned training peak fits HEADROOM of the device and one row more does not; a
-    device that holds the rank's whole minibatch gets 0 (one forward per minibatch); one that holds no row is
-    refused, naming the fixes; a value that is neither a count nor auto is refused."""
+    device that holds the rank's whole minibatch gets that share (one forward per minibatch); one that holds no row is
+    refused, naming the fixes, and so is a token policy (its memory follows its prompts); a value that is neither a
+    count nor auto is refused."""
     from mmrl.errors import ConfigError
     from mmrl.micro_batch import HEADROOM, fit_micro_batch
 
@@ -438,8 +439,11 @@ def test_micro_batch_auto_at_its_bounds():
     m = fit_micro_batch(cfg, 0.12)["micro_batch"]
     at = lambda k: plan(load_config("configs/t2i/shapes_grpo.yaml", [f"train.micro_batch={k}"]))  # noqa: E731
     assert m > 1 and at(m)["total_gib"] <= HEADROOM * 0.12 < at(m + 1)["total_gib"]
-    assert fit_micro_batch(cfg, 10_000.0)["micro_batch"] == 0
+    whole = fit_micro_batch(cfg, 10_000.0)
+    assert whole["micro_batch"] == whole["whole"] == 192                  # 32 rows x 6 trained steps per minibatch
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         fit_micro_batch(cfg, 0.05)
+    with pytest.raises(ConfigError, match="flow policies"):
+        fit_micro_batch(load_config("configs/grounding/synthetic_grpo.yaml", ["train.micro_batch=auto"]), 80.0)
     with pytest.raises(ConfigError, match="or auto"):
         load_config("configs/t2i/shapes_grpo.yaml", ["train.micro_batch=most"])

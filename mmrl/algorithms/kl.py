@@ -2,7 +2,8 @@
 
 `fn(cur: PolicyOutput, ref: PolicyOutput) -> kl [n, A]`. An estimator that reads policy statistics declares them
 (`fn.reads`: names in PolicyOutput.stats); the config is checked against what the policy provides
-(mmrl.policy.PROVIDES) at load. The log-prob estimators read none.
+(mmrl.policy.PROVIDES) at load, and a training pass builds only what the run's components read (one that declares
+nothing gets every statistic). The log-prob estimators read none.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def k3(cur, ref):
     """k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1 (Schulman's low-variance, non-negative estimator)."""
     d = ref.log_prob - cur.log_prob
     return (torch.expm1(d) - d).clamp(min=0)  # expm1: no cancellation for small d; >= 0 up to rounding
+
+
+k1.reads = k2.reads = k3.reads = ()  # the log-probs only
 
 
 @KL_ESTIMATORS.register("flow_mean")

@@ -92,8 +92,8 @@ class KLPenalty:
     needs_reference = True
 
     @property
-    def reads(self) -> tuple[str, ...]:
-        return getattr(KL_ESTIMATORS[self.estimator], "reads", ())
+    def reads(self) -> tuple[str, ...] | None:  # an estimator that declares nothing may read anything
+        return getattr(KL_ESTIMATORS[self.estimator], "reads", None)
 
     def __call__(self, loss, b: Batch):
         kl = KL_ESTIMATORS[self.estimator](b.out, b.ref)
@@ -106,8 +106,8 @@ class Weighting:
     name: str
 
     @property
-    def reads(self) -> tuple[str, ...]:
-        return getattr(WEIGHTINGS[self.name], "reads", ())
+    def reads(self) -> tuple[str, ...] | None:  # a weighting that declares nothing may read anything
+        return getattr(WEIGHTINGS[self.name], "reads", None)
 
     def __call__(self, loss, b: Batch):
         return loss * WEIGHTINGS[self.name](b.rows, b.out), {}
@@ -164,8 +164,12 @@ class Objective:
     @property
     def reads(self) -> frozenset[str] | None:
         """The PolicyOutput.stats its terms and ratio transform read (their `reads`; a policy builds only these), or
-        None (all) when a loss reads the output without declaring what."""
-        names = set(getattr(RATIO_TRANSFORMS[self.ratio], "reads", ()))
+        None (all) when one of them declares nothing (a loss that reads the output, a user's KL estimator,
+        weighting or ratio transform)."""
+        ratio = getattr(RATIO_TRANSFORMS[self.ratio], "reads", None)
+        if ratio is None:
+            return None
+        names = set(ratio)
         for t in self.terms:
             r = t.reads
             if r is None:

@@ -27,6 +27,9 @@ def gspo(log_prob, old_log_prob, rollout, out):
     return old_log_prob + seq.detach() + log_prob - log_prob.detach()
 
 
+none.reads = gspo.reads = ()  # the log-probs only
+
+
 @RATIO_TRANSFORMS.register("guard")
 def guard(log_prob, old_log_prob, rollout, out):
     """GRPO-Guard RatioNorm (arXiv 2510.22319; docs/algorithms.md §5) for flow policies. For a Gaussian step with

@@ -17,6 +17,9 @@ def none(rollout, out):
     return torch.ones_like(out.log_prob)
 
 
+none.reads = ()
+
+
 def truncated_is(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, cap: float):
     """Truncated importance sampling for a sampling engine whose log-probs differ from the trainer's (Yao et al.
     2025, "Your efficient RL framework secretly brings you off-policy RL training"; docs/algorithms.md):

@@ -50,9 +50,9 @@ class FlowModel:
     schedule: Callable[[int, float], torch.Tensor] = static_schedule  # (steps, sampler.shift) -> sigmas [S + 1]
     transformer_2: torch.nn.Module | None = None  # Wan2.2 A14B: the low-noise expert, used below `boundary`
     boundary: float | None = None                # sigma at which transformer_2 takes over (boundary_ratio)
-    lockstep: Callable[[list[bool]], list[bool]] | None = None  # training forwards of several processes (ranks at
-                                                 # different sigmas): this call's need of each expert -> the experts
-                                                 # it runs, the same on every rank (see _forward)
+    lockstep: Callable[[list[bool]], list[bool]] | None = None  # two experts under several processes: this call's
+                                                 # need of each expert -> the experts it runs, the same on every rank
+                                                 # (expert_lockstep; see _forward)
     cfg_grad: str = "full"                       # the gradient through CFG: full | cond (unconditional branch detached)
     encode_latents: Callable | None = None       # images [N, 3, sH, sW] in [-1, 1] -> x0 latents [N, *latent_shape]
                                                  # (VAE encode; offline data: preference pairs)
@@ -118,11 +118,12 @@ class FlowModel:
 
     def _forward(self, x, sigma, enc, pooled):
         """One transformer forward (rows at sigma >= boundary on transformer, the rest on transformer_2). A call
-        runs the experts its rows need. In `lockstep` (training under several processes, where ranks hold rows at
-        different sigmas and an expert's call may be a collective: DDP's reducer in a backward that synchronizes,
-        FSDP2's all-gather always) it runs the experts `lockstep` names, the same on every rank and in one order: one
-        without rows here runs one row whose output enters the result times 0 (its parameters get zero gradients, as
-        DDP's reducer expects). Sampling needs no lockstep: every rank's rows share the step's sigma."""
+        runs the experts its rows need. In `lockstep` (several processes, where an expert's call may be a collective:
+        DDP's reducer in a backward that synchronizes, FSDP2's all-gather always, and ranks may hold rows at different
+        sigmas: training, forward-process noise levels) it runs the experts `lockstep` names, the same on every rank
+        and in one order: one without rows here runs one row whose output enters the result times 0 (its parameters
+        get zero gradients, as DDP's reducer expects). A sampling step's rows share its sigma on every rank, so the
+        ranks agree on one expert and no idle row runs."""
         if self.transformer_2 is None:
             return self._expert(self.transformer, x, sigma, enc, pooled)
         high = sigma >= self.boundary                                                    # [N]

@@ -56,7 +56,6 @@ class FlowPolicy(PolicyDefaults):
 
         self.model, self.cfg, self.model_path, self.progress = model, sampler_cfg, model_path, progress
         self.model.cfg_grad = sampler_cfg.cfg_grad
-        self._lockstep = None  # two experts under several processes: FlowModel.lockstep in training forwards
         self.tree = tree_cfg or TreeConfig()
         self.model_options = model_options or {}  # how the base was loaded (sample_size ...), kept in checkpoints
         first = next(model.transformer.parameters())
@@ -364,12 +363,8 @@ class FlowPolicy(PolicyDefaults):
         old = rollout.old_log_prob[index].to(dev)
         images = self.images([rollout.examples[i] for i in index.tolist()])
         images = None if images is None else [images[i] for i in rows.tolist()]
-        self.model.lockstep = self._lockstep  # ranks score rows at different sigmas (never when sampling)
-        try:
-            v = self._velocity_fn(stored["enc"][at].to(dev), stored["pooled"][at].to(dev), chunked=False,
-                                  images=images)(pick("latents"), pick("sigma")).float()      # [k, *D]
-        finally:
-            self.model.lockstep = None
+        v = self._velocity_fn(stored["enc"][at].to(dev), stored["pooled"][at].to(dev), chunked=False,
+                              images=images)(pick("latents"), pick("sigma")).float()          # [k, *D]
         if self.objective == "forward":  # the negative flow-matching loss of each noise level (§10)
             lp = -(v - pick("target")).pow(2).flatten(1).mean(1)
             stats = {k: whole(k) for k in ("sigma", "old_velocity", "target") if want(k)}
@@ -438,7 +433,8 @@ class FlowPolicy(PolicyDefaults):
         frozen KL reference copy (full fine-tuning), which would otherwise be a whole replica on every GPU."""
         for name, tr in self.experts():
             setattr(self.model, name, wrap(tr))
-        self._lockstep = expert_lockstep(parallel, self.dist) if self.model.transformer_2 is not None else None
+        if self.model.transformer_2 is not None:
+            self.model.lockstep = expert_lockstep(parallel, self.dist)
         if parallel in SHARDED and self._ref_copy is not None and not self.offload:
             self._ref_copy = {name: wrap(ref) for name, ref in self._ref_copy.items()}
         if self._pending:  # built on the meta device: each rank reads its shards, the reference copies them

@@ -207,8 +207,8 @@ class VLLMEngine:
             tp = TokensPrompt(prompt_token_ids=list(p["prompt_ids"]))
             if p["media"]:
                 tp["multi_modal_data"] = p["media"]
-                if "video" in p["media"]:  # frames were sampled by the policy's reader: never resample them
-                    tp["mm_processor_kwargs"] = {"do_sample_frames": False}
+                if "video" in p["media"]:  # frames sampled and sized by the policy's reader (qwen-vl-utils), kept
+                    tp["mm_processor_kwargs"] = {"do_sample_frames": False, "cap_pixels_per_frame": True}
             out.append(tp)
         return out, scored
 
@@ -235,9 +235,11 @@ class VLLMEngine:
                 self._sleep()
         for b, (out, want) in enumerate(zip(outs, scored)):
             got = list(out.prompt_token_ids or [])
-            if got != want and len(got) != len(vllm_prompts[b]["prompt_token_ids"]):
-                raise RuntimeError(f"vLLM's processed prompt {b} has {len(got)} tokens where the policy's processor "
-                                   f"made {len(want)} (media placeholders expanded differently): vLLM would sample "
+            sent = vllm_prompts[b]["prompt_token_ids"]
+            # with media, vLLM may report the ids as sent (placeholders not expanded): nothing to compare then
+            if got != want and (got != sent or "multi_modal_data" not in vllm_prompts[b]):
+                raise RuntimeError(f"vLLM's processed prompt {b} ({len(got)} tokens) differs from the policy's "
+                                   f"({len(want)} tokens; media placeholders expanded differently?): vLLM would sample "
                                    f"from other inputs than the policy scores. Check that the model folder's "
                                    f"processor config is the one the policy loads.")
         rows, lps = [], []
