@@ -295,6 +295,8 @@ def main() -> int:
                    "(mmrl/testing/real_size.py)")
     p.add_argument("--scale", choices=("real", "reduced"), default=None, help="--real-size's model size (default: "
                    "real on cuda, reduced on cpu: the dry run)")
+    p.add_argument("--set", nargs="+", default=None, metavar="KEY=VALUE",
+                   help="--real-size: config overrides of every recipe, e.g. train.compile=true (compiled blocks)")
     args = p.parse_args()
     if args.real_size:
         from mmrl.testing import real_size

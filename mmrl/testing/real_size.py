@@ -417,7 +417,7 @@ def overrides(config: str, recipe: Recipe, scale: str, device: str, stub: str, o
             "log.image_every=0", "log.save_every=2", "log.keep_checkpoints=1"]
 
 
-def run_recipe(config: str, scale: str, device: str, tmp: str, plans: Plans) -> dict:
+def run_recipe(config: str, scale: str, device: str, tmp: str, plans: Plans, settings: tuple[str, ...] = ()) -> dict:
     """Two iterations of `config` through Trainer.fit at `scale`, a save, and a new Trainer resuming it; measured per
     phase (see the module docstring). Returns the recipe's row of the report, without the plan's figures."""
     import mmrl.policy.token as token_mod
@@ -430,7 +430,7 @@ def run_recipe(config: str, scale: str, device: str, tmp: str, plans: Plans) -> 
     stub, out_dir = os.path.join(tmp, name, "model"), os.path.join(tmp, name, "run")
     token = config.startswith("grounding/")
     extra = write_videos(os.path.join(tmp, name, "data"), scale) if token else []
-    over = overrides(config, recipe, scale, device, stub, out_dir, extra)
+    over = overrides(config, recipe, scale, device, stub, out_dir, [*extra, *settings])
     cfg = load_config(os.path.join(ROOT, "configs", config + ".yaml"), over)
     if cfg.task.name == "prompt_file":  # the recipe's prompt files are not here: a few prompts of ours
         prompts = os.path.join(tmp, name, "prompts.txt")
@@ -563,8 +563,10 @@ def table(results: dict, flops_note: str) -> str:
     return "\n".join(lines)
 
 
-def run(configs: list[str], device: str, scale: str, plan_workers: int | None = None, tmp: str | None = None) -> dict:
-    """Every recipe of `configs` (RECIPES keys) at `scale` ("real" | "reduced") on `device`; the report as a dict."""
+def run(configs: list[str], device: str, scale: str, plan_workers: int | None = None, tmp: str | None = None,
+        settings: tuple[str, ...] = ()) -> dict:
+    """Every recipe of `configs` (RECIPES keys) at `scale` ("real" | "reduced") on `device`, with the config
+    overrides `settings` (e.g. train.compile=true); the report as a dict."""
     flops, note = peak_flops(device)
     workers = plan_workers if plan_workers is not None else min(len(configs), max(0, (os.cpu_count() or 1) // 4))
     plans, results = Plans(workers), {}
@@ -574,7 +576,7 @@ def run(configs: list[str], device: str, scale: str, plan_workers: int | None = 
             for config in configs:
                 t0 = time.time()
                 try:
-                    results[config] = {**run_recipe(config, scale, device, root, plans), "ok": True}
+                    results[config] = {**run_recipe(config, scale, device, root, plans, settings), "ok": True}
                 except (KeyboardInterrupt, SystemExit):
                     raise
                 except BaseException as e:  # noqa: BLE001 - report every recipe (DCP raises BaseException)
@@ -593,7 +595,7 @@ def run(configs: list[str], device: str, scale: str, plan_workers: int | None = 
 
 
 def main(args) -> int:
-    """scripts/gpu_check.py --real-size: args.device, args.only, args.scale."""
+    """scripts/gpu_check.py --real-size: args.device, args.only, args.scale, args.set (overrides)."""
     device = args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check --real-size: no CUDA device here; run it on a GPU machine (or --device cpu for the dry run)")
@@ -602,7 +604,7 @@ def main(args) -> int:
     scale = getattr(args, "scale", None) or ("real" if device.startswith("cuda") else "reduced")
     configs = [c for c in RECIPES if not args.only or any(w in c for w in args.only)]
     t0 = time.time()
-    report = run(configs, device, scale)
+    report = run(configs, device, scale, settings=tuple(getattr(args, "set", None) or ()))
     report["wall_s"] = time.time() - t0
     if device.startswith("cuda"):
         report["gpu"] = torch.cuda.get_device_name()
