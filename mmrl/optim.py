@@ -1,10 +1,19 @@
-"""Optimizer-side helpers of the loop: the learning-rate schedule and an EMA of the trained weights."""
+"""Optimizer-side helpers of the loop: AdamW, the learning-rate schedule and an EMA of the trained weights."""
 
 from __future__ import annotations
 
 import contextlib
 
 import torch
+
+
+def adamw(params: list[torch.Tensor], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """torch's AdamW with its fused kernel (one kernel per step on CUDA and CPU: 6x the default's speed on CPU, where
+    the default loops over tensors) when every parameter is a plain floating tensor; FSDP2's DTensor shards take the
+    multi-tensor (foreach) step. The state dict is the same either way (checkpoints move between them)."""
+    plain = all(type(p) is torch.nn.Parameter and not hasattr(p, "to_local") and p.device.type in ("cpu", "cuda")
+                and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **({"fused": True} if plain else {"foreach": True}))
 
 
 def lr_scale(it: int, iterations: int, elapsed_min: float, budget_min: float, warmup: int, cooldown: float) -> float:

@@ -35,7 +35,7 @@ from mmrl.metrics import Logger, SignalWatch, Timer, per_category, perf
 from mmrl.micro_batch import resolve_micro_batch
 from mmrl.rollout.collect import Collector
 from mmrl.train_stats import PassStats
-from mmrl.optim import EMA, lr_scale, soft_update_decay
+from mmrl.optim import EMA, adamw, lr_scale, soft_update_decay
 from mmrl.preemption import StopRequests, stop_run
 from mmrl.seeds import derive_seed
 from mmrl.report import log_evaluation
@@ -78,7 +78,7 @@ class Trainer:
         self.params = list(self.policy.trainable_parameters())
         if not self.params:
             raise ConfigError("the policy has no trainable parameters (check model.lora settings)")
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        self.opt = adamw(self.params, cfg.train.lr, cfg.train.weight_decay)  # fused where the parameters allow
         self.ema = EMA(self.params, cfg.train.ema_decay, self.dist.reshard) if cfg.train.ema_decay > 0 else None
         self.sampling = EMA(self.params, 0.0, self.dist.reshard) if cfg.train.sampling_ema else None  # old policy
         self.iteration, self.nonfinite = 0, 0  # nonfinite: optimizer steps in a row skipped for a non-finite gradient
