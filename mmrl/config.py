@@ -239,8 +239,9 @@ class TrainConfig:
                                   # VAE decoding and old log-probs. 0 = a whole minibatch / rollout at once; auto = the
                                   # largest that fits the device by `mmrl plan` (mmrl/micro_batch.py; resolved by
                                   # `mmrl train`, other commands then use train.sample_chunk or all rows at once)
-    sample_chunk: int = -1        # rows per forward without gradients (sampling, VAE decoding, old log-probs,
-                                  # reward scoring, evaluation); -1 = train.micro_batch, 0 = all at once
+    sample_chunk: int = -1        # rows per forward without gradients (sampling, old log-probs, reward scoring,
+                                  # evaluation; a VAE decodes what fits half the free memory); -1 = train.micro_batch,
+                                  # 0 = all at once
     dist_timeout_min: float = 30.0  # several processes: minutes a collective waits for the slowest rank before the
                                   # job fails (NCCL's own default, 10, can trip during a slow judge's evaluation)
     ratio_warn: float = 0.05      # warn when the first pass's mean |ratio - 1| (rollout vs trainer log-probs under the

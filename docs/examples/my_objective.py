@@ -13,6 +13,8 @@ clip statistics). It is the first term of the run's objective (mmrl/algorithms/o
 weightings and the supervised anchor compose after it from their own keys. Declare what it needs:
 `fn.needs_output = True` gives a fifth argument, a LossContext with the policy's outputs (velocities, step means in
 `.out.stats`), the reference's (`.ref`, with `fn.needs_reference = True`) and the rows' group ids;
+`fn.reads = ("velocity", ...)` names the `.out.stats` it reads, so a training pass builds only those (the flow
+policy's full-size velocity and mean tensors cost a copy of the rollout's latents; without `reads`, all are built);
 `fn.needs_whole_groups = True` keeps each group in one pass; `fn.objective = "forward"` trains on the forward process
 of the final samples instead of the sampling steps (docs/algorithms.md §10, §14).
 """
