@@ -27,11 +27,11 @@ def test_help():
 
 def check(res: dict) -> None:
     """Each figure is the smallest over the timed iterations: a sum of parts is at most the smallest whole (equal to
-    it with one timed iteration)."""
+    it with one timed iteration), up to the clock's reading of each part on a loaded machine (2% + 50 ms)."""
     assert math.isfinite(res["ratio"]) and res["ratio"] > 0 and res["model_s"] > 0
-    assert sum(res["phase_wall_s"].values()) <= res["iteration_s"] + 0.01
-    assert sum(res["model_by_kind_s"].values()) <= res["model_s"] + 0.01
-    assert sum(res["model_by_phase_s"].values()) <= res["model_s"] + 0.01
+    assert sum(res["phase_wall_s"].values()) <= 1.02 * res["iteration_s"] + 0.05
+    assert sum(res["model_by_kind_s"].values()) <= 1.02 * res["model_s"] + 0.05
+    assert sum(res["model_by_phase_s"].values()) <= 1.02 * res["model_s"] + 0.05
 
 
 def test_quick_token():
@@ -42,7 +42,7 @@ def test_quick_token():
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])["token"]
     check(res)
-    assert res["iteration_s"] == pytest.approx(sum(res["phase_wall_s"].values()), abs=0.01)
+    assert res["iteration_s"] == pytest.approx(sum(res["phase_wall_s"].values()), rel=0.02, abs=0.05)
     assert res["calls"] == {"lm/rollout/no_grad": 18, "lm/train/grad+backward": 4}
     assert set(res["model_by_kind_s"]) == {"sampling_forward", "train_forward", "train_backward"}
 
