@@ -186,7 +186,8 @@ class AlgoConfig:
     weighting: str = "none"       # WEIGHTINGS key, or keys joined by "+" whose weights multiply (tempflow+guard_dt)
     ratio: str = "none"           # RATIO_TRANSFORMS key: none | gspo (sequence-level ratio)
     shaping: ShapingConfig = field(default_factory=ShapingConfig)  # reward shaping {name, kwargs} before advantages
-    reward_aggregation: str = "sum"  # REWARD_AGGREGATIONS key for several rewards (reward.name=multi): sum | gdpo | batch
+    reward_aggregation: str = "sum"  # REWARD_AGGREGATIONS key for several rewards (reward.name=multi): sum | gdpo |
+                                     # batch | per_reward (Pref-GRPO's weighted per-reward group z-scores)
     offpolicy: str = "none"       # OFFPOLICY key: none | ground_truth (TempSamp-R1 injection, one row per group)
     dynamic_sampling: bool = False  # DAPO: resample prompts whose group has zero reward std
     dynamic_sampling_tries: int = 3  # extra sampling rounds at most per iteration
@@ -313,7 +314,7 @@ class Config:
             raise ConfigError("reward.name=pairwise scores samples only against their group: set reward.eval_name "
                               "(e.g. shapes) for the held-out evaluation")
         agg = self.algo.reward_aggregation
-        if agg in ("gdpo", "batch"):
+        if agg in ("gdpo", "batch", "per_reward"):
             if self.reward.name != "multi":
                 raise ConfigError(f"algo.reward_aggregation={agg} normalizes each of several rewards: set "
                                   "reward.name=multi with reward.kwargs.components, or algo.reward_aggregation=sum")
