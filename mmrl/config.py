@@ -88,16 +88,30 @@ class TreeConfig:
     is empty. With sampler.sde_window_size > 0 it is BranchGRPO-Mix: SDE on that window (drawn as for the
     chain) and on the split steps, ODE elsewhere, only SDE edges trained."""
     split_steps: list[int] = field(default_factory=list)  # every path branches here, e.g. [0, 3, 6, 9] of 20 steps
+    split_rounds: int = 0         # > 0: split_steps = evenly spaced rounds i * (num_steps // split_rounds), i < rounds
+                                  # (reference: --tree_split_rounds; 4 of 20 steps = [0, 5, 10, 15]), resolved at load
     branch: int = 2               # children per split; train.group_size must be branch ** len(split_steps)
     split_noise_scale: float = 1.0  # split-step noise std x this (reference: 4.0); the log-prob uses that std
     fusion: str = "mean"          # node reward: mean of its leaves | softmax (children by softmax(alpha * logp(edge)))
     fusion_alpha: float = 1.0
+    # Pruning (BranchGRPO's train_one_step_tree; docs/algorithms.md §3) only removes transitions from training.
+    # Step indices throughout: the reference's --depth_pruning lists CHILD DEPTHS, depth = step + 1.
     prune_steps: list[int] = field(default_factory=list)  # depth pruning: these steps' transitions are not trained
-    prune_slide_every: int = 0    # > 0: the pruned steps move one step earlier every this many iterations,
-                                  # never to or before the last split (the reference's sliding window)
-    width_prune: int = 0          # after the last split: 0 off | 1 each leaf trains its first width_ratio of steps |
-                                  # 2 only the best and worst width_ratio of the batch's leaves train them
-    width_ratio: float = 0.5
+                                  # (reference: --depth_pruning = these + 1)
+    prune_slide_every: int = 0    # > 0: the pruned steps move one step earlier every this many iterations, shift =
+                                  # (iteration + 1) // this (the reference counts steps from 1), until the shallowest
+                                  # reaches prune_slide_stop (reference: --depth_pruning_slide_interval)
+    prune_slide_stop: int | None = None  # the step the shallowest pruned step stops at; None = last split - 1, so
+                                  # late in training the window prunes the step before the last split and on
+                                  # (reference: --depth_pruning_stop_depth = this + 1, default depth = last split)
+    prune_iter_ratio: float = 1.0  # prune (depth and width) only while iteration + 1 <= int(train.iterations x this)
+                                  # (reference: --pruning_step_ratio); 1 = every iteration
+    width_prune: int = 0          # on each leaf's transitions after the last split, counted after depth pruning and
+                                  # counting the last step (an SDE edge in the reference, never trained here):
+                                  # 0 off | 1 each leaf keeps its first max(1, int(n x width_ratio)) of those n |
+                                  # 2 of all of them in the batch, ranked by advantage, the best max(2, int(n x
+                                  # width_ratio)) // 2 and the worst rest are kept (reference: --width_pruning_mode)
+    width_ratio: float = 0.5      # reference: --width_pruning_ratio
 
 
 @dataclass
@@ -186,7 +200,8 @@ class AlgoConfig:
     weighting: str = "none"       # WEIGHTINGS key, or keys joined by "+" whose weights multiply (tempflow+guard_dt)
     ratio: str = "none"           # RATIO_TRANSFORMS key: none | gspo (sequence-level ratio)
     shaping: ShapingConfig = field(default_factory=ShapingConfig)  # reward shaping {name, kwargs} before advantages
-    reward_aggregation: str = "sum"  # REWARD_AGGREGATIONS key for several rewards (reward.name=multi): sum | gdpo | batch
+    reward_aggregation: str = "sum"  # REWARD_AGGREGATIONS key for several rewards (reward.name=multi): sum | gdpo |
+                                     # batch | per_reward (Pref-GRPO's weighted per-reward group z-scores)
     offpolicy: str = "none"       # OFFPOLICY key: none | ground_truth (TempSamp-R1 injection, one row per group)
     dynamic_sampling: bool = False  # DAPO: resample prompts whose group has zero reward std
     dynamic_sampling_tries: int = 3  # extra sampling rounds at most per iteration
@@ -288,6 +303,7 @@ class Config:
     def validate(self) -> "Config":
         """Check values and their combinations; raise ValueError naming the key and the fix. Registry names
         (policy, task, reward, algorithm pieces) are checked where they are resolved: mmrl.compose.check_choices."""
+        self._resolve_split_rounds()  # before anything reads tree.split_steps
         self._validate_reward()
         _choice("video.backend", self.video.backend, ("decord", "torchcodec"))
         _choice("video.on_error", self.video.on_error, ("raise", "skip"))
@@ -313,7 +329,7 @@ class Config:
             raise ConfigError("reward.name=pairwise scores samples only against their group: set reward.eval_name "
                               "(e.g. shapes) for the held-out evaluation")
         agg = self.algo.reward_aggregation
-        if agg in ("gdpo", "batch"):
+        if agg in ("gdpo", "batch", "per_reward"):
             if self.reward.name != "multi":
                 raise ConfigError(f"algo.reward_aggregation={agg} normalizes each of several rewards: set "
                                   "reward.name=multi with reward.kwargs.components, or algo.reward_aggregation=sum")
@@ -469,6 +485,38 @@ class Config:
                               "(the mean over transitions, as BranchGRPO)")
         if not 0 < tr.width_ratio <= 1:
             raise ConfigError(f"tree.width_ratio must be in (0, 1], got {tr.width_ratio}")
+        if not 0 <= tr.prune_iter_ratio <= 1:
+            raise ConfigError(f"tree.prune_iter_ratio must be in [0, 1] (the fraction of train.iterations that prunes; "
+                              f"1 = every iteration), got {tr.prune_iter_ratio}")
+        if tr.prune_slide_every < 0:
+            raise ConfigError(f"tree.prune_slide_every must be >= 0 (0 = fixed pruned steps), got {tr.prune_slide_every}")
+        if tr.prune_slide_stop is not None:
+            if not (tr.prune_steps and tr.prune_slide_every > 0):
+                raise ConfigError("tree.prune_slide_stop ends a sliding depth-pruning window: set tree.prune_steps and "
+                                  "tree.prune_slide_every > 0, or tree.prune_slide_stop=null")
+            if not 0 <= tr.prune_slide_stop <= min(tr.prune_steps):
+                raise ConfigError(f"tree.prune_slide_stop={tr.prune_slide_stop} is a step index in [0, min(prune_steps) "
+                                  f"= {min(tr.prune_steps)}] (the reference's --depth_pruning_stop_depth minus 1)")
+        bad = [s for s in tr.prune_steps if not 0 <= s < self.sampler.num_steps]
+        if bad:
+            raise ConfigError(f"tree.prune_steps={tr.prune_steps} are step indices in [0, num_steps - 1 = "
+                              f"{self.sampler.num_steps - 1}] (the reference's --depth_pruning lists depths = step + 1)")
+
+    def _resolve_split_rounds(self) -> None:
+        """tree.split_rounds -> tree.split_steps (BranchGRPO's parse_split_points): rounds i * (num_steps // rounds)."""
+        tr, n = self.tree, self.sampler.num_steps
+        if tr.split_rounds < 0:
+            raise ConfigError(f"tree.split_rounds must be >= 0 (0 = use tree.split_steps), got {tr.split_rounds}")
+        if not tr.split_rounds:
+            return
+        steps = [i * (n // tr.split_rounds) for i in range(tr.split_rounds)]
+        if len(set(steps)) != len(steps) or steps[-1] > n - 2:
+            raise ConfigError(f"tree.split_rounds={tr.split_rounds} gives splits {steps} of sampler.num_steps={n}: "
+                              f"need distinct steps <= num_steps - 2 = {n - 2}; use fewer rounds or tree.split_steps")
+        if tr.split_steps and tr.split_steps != steps:
+            raise ConfigError(f"tree.split_rounds={tr.split_rounds} means split_steps={steps}, but tree.split_steps="
+                              f"{tr.split_steps}: set one of them")
+        tr.split_steps = steps
 
 
 def policy_kind(name: str) -> str | None:

@@ -99,13 +99,27 @@ _VERDICTS = {noun: re.compile(rf"{noun}\s*([12])\s*is\s*(?:the\s*)?better", re.I
              for noun in ("image", "video")}
 
 
-def parse_verdict(text: str, noun: str = "image", require_answer: bool = False) -> int:
+_FIRST_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+VERDICT_READINGS = ("mmrl", "reference")
+
+
+def parse_verdict(text: str, noun: str = "image", require_answer: bool = False, reading: str = "mmrl") -> int:
     """+1 ("Image 1 is better"), -1 (Image 2), 0 (tie, no answer, or both named). Never raises on a string.
 
-    The last <answer> block decides; without one (and unless require_answer), the text after the last </think>
-    (or the whole text) must contain exactly one verdict. noun: "image" or "video"."""
+    reading "mmrl": the last <answer> block decides (any case, "is the better" too); without one (and unless
+    require_answer), the text after the last </think> (or the whole text) must contain exactly one verdict.
+    reading "reference": Pref-GRPO's (CodeGoat24/Pref-GRPO, `_pairwise_win_rate` / `_extract_answer`): the first
+    <answer> block, stripped, case-sensitive: "Image 1 is better" in it wins, else "Image 2 is better", else a tie;
+    no block is a tie. noun: "image" or "video"."""
     if not isinstance(text, str):
         return 0
+    if reading == "reference":
+        block = _FIRST_ANSWER.search(text)
+        answer = block.group(1).strip() if block else ""
+        first, second = (f"{noun.capitalize()} {k} is better" for k in (1, 2))
+        return 1 if first in answer else -1 if second in answer else 0
+    if reading != "mmrl":
+        raise ValueError(f"verdict reading {reading!r}: use one of {VERDICT_READINGS}")
     blocks = _ANSWER.findall(text)
     if require_answer and not blocks:
         return 0
@@ -262,14 +276,19 @@ class VLMJudge:
     qwen-7b; "unified_reward_think_qwen3" for the Qwen3-VL Think models, as Pref-GRPO uses them; ...). prompt:
     replaces the style's text (a format string with {caption}); the style's media and parsing stay.
     max_new_tokens: room for the reasoning and the answer. num_frames: frames per video for "frames" styles
-    (default: the style's). The rest as ChatVLM.
+    (default: the style's). reading: how an answer is read (`parse_verdict`): "mmrl" (the last <answer> block, any
+    case, an answer naming both is a tie) or "reference" (Pref-GRPO's: the first block, case-sensitive, "Image 1"
+    before "Image 2"). The rest as ChatVLM.
     """
 
     def __init__(self, path: str, max_new_tokens: int = 512, batch_size: int = 8, device: str = "cpu",
                  dtype: str = "float32", prompt: str | None = None, style: str = "default",
                  min_pixels: int | None = None, max_pixels: int | None = None, trust_remote_code: bool = False,
-                 num_frames: int | None = None, video_fps: float = 2.0, clip_fps: float | None = None):
-        self.style = PAIRWISE_STYLES[style]
+                 num_frames: int | None = None, video_fps: float = 2.0, clip_fps: float | None = None,
+                 reading: str = "mmrl"):
+        if reading not in VERDICT_READINGS:
+            raise ConfigError(f"reading={reading!r}: use one of {VERDICT_READINGS} (reference: Pref-GRPO's)")
+        self.style, self.reading = PAIRWISE_STYLES[style], reading
         self.prompt, self.batch_size = prompt or self.style.prompt, batch_size
         self.frames = num_frames or self.style.frames
         self.vlm = ChatVLM(path, device, dtype, max_new_tokens, min_pixels, max_pixels, trust_remote_code, video_fps,
@@ -296,7 +315,7 @@ class VLMJudge:
 
     def __call__(self, outputs_a, outputs_b, examples) -> torch.Tensor:
         self.last_texts = self.vlm.generate(self.turns(outputs_a, outputs_b, examples), self.batch_size)
-        verdicts = [parse_verdict(t, self.style.noun, self.style.require_answer) for t in self.last_texts]
+        verdicts = [parse_verdict(t, self.style.noun, self.style.require_answer, self.reading) for t in self.last_texts]
         bad = sum(v == 0 for v in verdicts)
         if bad:
             self.unparseable += bad

@@ -274,3 +274,47 @@ def test_vlm_judge_on_a_tiny_qwen25_vl(tiny_vl):
     pr = PairwiseReward(judge)
     r = pr(torch.cat([a, b]), ex * 2, torch.tensor([0, 0, 0, 1, 1, 1]))
     torch.testing.assert_close(r["overall"], torch.tensor([0.0, 0.5, 1.0] * 2))  # the later sample always wins
+
+
+def test_per_reward_is_pref_grpos_weighted_group_z_scores():
+    """per_reward: each reward z-scored within its groups, weighted and summed, no further normalization: Pref-GRPO's
+    compute_weighted_advantages at its recipe's weights {unifiedreward_think: 0.4, clip: 0.6} and its std (sample,
+    + 1e-8). By hand: group 0 = rows 0-2, group 1 = rows 3-5."""
+    cfg = AlgoConfig(adv_std="sample", adv_eps=1e-8)
+    gid, valid = torch.tensor([0, 0, 0, 1, 1, 1]), torch.ones(6, dtype=torch.bool)
+    think = torch.tensor([1.0, 0.5, 0.0, 0.75, 0.25, 0.5])     # win rates
+    clip = torch.tensor([0.30, 0.20, 0.10, 0.26, 0.26, 0.20])
+    rewards = {"overall": 0.4 * think + 0.6 * clip, "think": think, "clip": clip}
+    adv, stats = REWARD_AGGREGATIONS["per_reward"](rewards, {"think": 0.4, "clip": 0.6}, gid, valid, cfg,
+                                                     ADVANTAGES["grpo"])
+    # think: group 0 mean .5, sample std .5 -> [1, 0, -1]; group 1 mean .5, std .25 -> [1, -1, 0]
+    # clip: group 0 mean .2, std .1 -> [1, 0, -1]; group 1 mean .24, std sqrt(.0012) = .034641 -> [.57735, .57735, -1.1547]
+    z = (0.26 - 0.24) / 0.0012 ** 0.5
+    want = torch.tensor([0.4 + 0.6, 0.0, -0.4 - 0.6, 0.4 + 0.6 * z, -0.4 + 0.6 * z, -0.6 * 2 * z])
+    torch.testing.assert_close(adv, want, atol=1e-6, rtol=0)
+    assert set(stats) >= {"adv/think/zero_std_group_frac", "adv/clip/zero_std_group_frac", "adv/abs_mean"}
+    with pytest.raises(ValueError, match="reward.name=multi"):
+        REWARD_AGGREGATIONS["per_reward"](rewards, None, gid, valid, cfg, ADVANTAGES["grpo"])
+
+
+def test_judge_answers_read_as_mmrl_or_as_the_reference():
+    """parse_verdict's two readings on the answers where they differ (Pref-GRPO's: the first <answer> block,
+    case-sensitive "Image 1 is better" before "Image 2 is better", else a tie; no block: a tie)."""
+    from rewards.judges import parse_verdict
+
+    cases = {  # text: (mmrl, reference)
+        "<answer>Image 1 is better</answer>": (1, 1),
+        "<answer>Image 2 is better.</answer>": (-1, -1),
+        "<answer>image 1 is better</answer>": (1, 0),                      # case
+        "<answer>Image 1 is the better one</answer>": (1, 0),             # "is the better"
+        "<answer>Image 2 is better</answer> <answer>Image 1 is better</answer>": (1, -1),  # first vs last block
+        "<answer>Image 1 is better than... no, Image 2 is better</answer>": (0, 1),  # both named
+        "<think>..</think> Image 2 is better": (-1, 0),                    # no block
+        "<answer>Both are equally good</answer>": (0, 0),
+    }
+    for text, (mine, ref) in cases.items():
+        assert parse_verdict(text) == mine, text
+        assert parse_verdict(text, reading="reference") == ref, text
+    assert parse_verdict("<answer>Video 2 is better</answer>", "video", reading="reference") == -1
+    with pytest.raises(ValueError, match="reading"):
+        parse_verdict("x", reading="strict")

@@ -148,35 +148,139 @@ def test_tree_advantages_match_brute_force(fusion, dead):
     assert stats["tree/trained_transitions"] == mask.sum().item() == (2 + 2 + 4 + 4) * 2 - 2 * (dead is not None)
 
 
-def test_depth_and_width_pruning():
-    ro = tree_rollout()
-    rewards = torch.tensor([0.9, 0.1, 0.4, 0.5, 0.0, 1.0, 0.3, 0.7])
-    valid = torch.ones(8, dtype=torch.bool)
-    step = ro.extras["step_index"]
-    cfg = tree_cfg("tree.prune_steps=[2]")
-    tree_advantages(rewards, ro, valid, cfg, ADVANTAGES["grpo"], 0)
-    assert not ro.action_mask[step == 2].any() and ro.action_mask[step == 4].sum() == 8
-    # sliding (splits 0, 1; steps 0..4 trained): one step earlier every 2 iterations, never onto the last split
-    ro2 = tree_rollout(splits=(0, 1))
-    step2 = ro2.extras["step_index"]
-    cfg = tree_cfg("tree.split_steps=[0, 1]", "tree.prune_steps=[4]", "tree.prune_slide_every=2")
-    for it, pruned in ((1, 4), (2, 3), (100, 2)):
-        tree_advantages(rewards, ro2, valid, cfg, ADVANTAGES["grpo"], it)
-        assert not ro2.action_mask[step2 == pruned].any()
-        assert ro2.action_mask[(step2 >= 2) & (step2 != pruned)].all()
-    # width mode 2: post-split steps (> 3, i.e. step 4) trained only by the best and worst leaves
-    cfg = tree_cfg("tree.width_prune=2", "tree.width_ratio=0.5")
-    adv, _ = tree_advantages(rewards, ro, valid, cfg, ADVANTAGES["grpo"], 0)
-    kept = ro.action_mask[:, 3].nonzero().squeeze(-1).tolist()
-    order = torch.argsort(adv[:, 3], descending=True, stable=True).tolist()
-    assert sorted(kept) == sorted(order[:2] + order[-2:])
-    assert ro.action_mask[:, :3].sum() == 2 * (2 + 2 + 4)  # earlier steps untouched
-    # width mode 1 on a longer post-split segment: each leaf keeps the first half of its post-split steps
-    ro = tree_rollout(splits=(0, 1))
-    cfg = tree_cfg("tree.split_steps=[0, 1]", "tree.width_prune=1", "tree.width_ratio=0.5")
-    tree_advantages(rewards, ro, valid, cfg, ADVANTAGES["grpo"], 0)
-    assert ro.extras["step_index"][0].tolist() == [0, 1, 2, 3, 4]
-    assert ro.action_mask[:, 2:].sum(0).tolist() == [8, 0, 0]  # 3 post-split steps, int(3 * 0.5) = 1 kept
+# Pruning against the reference's rules (train_one_step_tree of fastvideo/train_branchgrpo_flux.py,
+# Fredreic1849/BranchGRPO), each expected set written out by hand. The reference's transition at step s has child
+# depth s + 1; it trains every step, the last (19 of 20) included; here steps 0 .. 18 from the first split on are the
+# actions and step 19 is the ODE step to the clean sample. Default tree: 20 steps, splits 0, 3, 6, 9 (16 leaves).
+def pruned_tree(*items, splits=(0, 3, 6, 9), steps=20, rewards=None, iteration=0):
+    """(steps trained by some leaf, {leaf: its trained steps after the last split}) of one tree."""
+    sig, kinds = torch.linspace(1, 0, steps + 1), ["flow_grpo"] * (steps - 1) + ["ode"]
+    x = torch.randn(1, 1, 2, generator=torch.Generator().manual_seed(3))
+    tr = run_tree(velocity, x, sig, kinds, list(splits), 2, 0.7, torch.Generator().manual_seed(0))
+    w = torch.tensor(trained_steps(kinds, list(splits)))
+    g = 2 ** len(splits)
+    ro = Rollout(group_id=group_ids(1, g), old_log_prob=tr.log_prob[:, w], action_mask=torch.ones(g, len(w), dtype=torch.bool),
+                 examples=[{}] * g, outputs=None,
+                 extras={"tree_node": tr.node[:, w], "tree_depth": tr.depth[w].expand(g, -1).clone(),
+                         "step_index": w.expand(g, -1).clone()})
+    cfg = load_config(None, [f"tree.split_steps={list(splits)}", f"train.group_size={g}", "algo.loss_agg=token_mean",
+                             f"sampler.num_steps={steps}", "train.iterations=1000", *items])
+    rewards = torch.arange(g, dtype=torch.float) if rewards is None else rewards
+    tree_advantages(rewards, ro, torch.ones(g, dtype=torch.bool), cfg, ADVANTAGES["grpo"], iteration)
+    m = ro.action_mask
+    union = {int(s) for s in w[m.any(0)]}
+    post = {leaf: {int(s) for s in w[m[leaf]] if s > max(splits)} for leaf in range(g)}
+    return union, post
+
+
+ALL = set(range(19))  # the actions of the default tree: steps 0 .. 18
+
+
+def test_depth_pruning_fixed():
+    # --depth_pruning 15,16,17,18 = steps 14, 15, 16, 17: trained 0..13 and 18
+    assert pruned_tree("tree.prune_steps=[14, 15, 16, 17]")[0] == ALL - {14, 15, 16, 17}
+
+
+@pytest.mark.parametrize("iteration, pruned", [
+    (0, {14, 15, 16, 17}),   # reference step 1: shift 1 // 2 = 0
+    (1, {13, 14, 15, 16}),   # step 2: shift 1
+    (4, {12, 13, 14, 15}),   # step 5: shift 2
+    (100, {8, 9, 10, 11}),   # step 101: shift 50, capped at depth 15 - stop depth (last split) 9 = 6: depths 9..12
+])
+def test_depth_pruning_sliding(iteration, pruned):
+    union, _ = pruned_tree("tree.prune_steps=[14, 15, 16, 17]", "tree.prune_slide_every=2", iteration=iteration)
+    assert union == ALL - pruned
+
+
+def test_depth_pruning_stop_depth():
+    # --depth_pruning_stop_depth 12 = prune_slide_stop 11: shift capped at 15 - 12 = 3, depths 12..15 = steps 11..14
+    union, _ = pruned_tree("tree.prune_steps=[14, 15, 16, 17]", "tree.prune_slide_every=1", "tree.prune_slide_stop=11",
+                           iteration=50)
+    assert union == ALL - {11, 12, 13, 14}
+
+
+def test_width_pruning_mode_1():
+    # each leaf's post-split transitions: steps 10..19, n = 10, keep int(10 x 0.5) = 5 = steps 10..14 (all equal in
+    # advantage, the stable sort keeps them in step order); 15..18 dropped (19 kept by the reference, untrainable here)
+    union, post = pruned_tree("tree.width_prune=1", "tree.width_ratio=0.5")
+    assert union == ALL - {15, 16, 17, 18}
+    assert all(steps == {10, 11, 12, 13, 14} for steps in post.values())
+
+
+def test_depth_then_width_mode_1():
+    # depth pruning first: post-split steps left 10, 11, 12, 13, 18, 19: n = 6, keep 3 = 10, 11, 12
+    union, _ = pruned_tree("tree.prune_steps=[14, 15, 16, 17]", "tree.width_prune=1", "tree.width_ratio=0.5")
+    assert union == set(range(13))
+    # sliding late (depths 9..12 = steps 8..11 pruned) with width: post steps 12..19, n = 8, keep 4 = 12..15
+    union, _ = pruned_tree("tree.prune_steps=[14, 15, 16, 17]", "tree.prune_slide_every=2", "tree.width_prune=1",
+                           "tree.width_ratio=0.5", iteration=100)
+    assert union == set(range(8)) | {12, 13, 14, 15}
+    # pruning the last step (--depth_pruning 20) takes it out of the count: steps 10..18, n = 9, keep 4 = 10..13
+    union, _ = pruned_tree("tree.prune_steps=[19]", "tree.width_prune=1", "tree.width_ratio=0.5")
+    assert union == set(range(14))
+
+
+# leaf l's reward 5 l mod 16: best leaves 3 (15), 6 (14), 9 (13), 12 (12); worst 0 (0), 13 (1), 10 (2), 7 (3)
+SCRAMBLED = torch.tensor([(5 * leaf) % 16 for leaf in range(16)], dtype=torch.float)
+
+
+def test_width_pruning_mode_2():
+    # 16 leaves x 10 post-split transitions (10..19) = 160, ranked by the leaf's advantage, ties in step order;
+    # keep int(160 x 0.3) = 48: the best 24 = leaves 3, 6 (all 10) + leaf 9's first 4 (10..13); the worst 24 = the
+    # last 24 of the ranking = leaf 10's last 4 (16..19) + leaves 13, 0 (all 10); step 19 is never trained here
+    _, post = pruned_tree("tree.width_prune=2", "tree.width_ratio=0.3", rewards=SCRAMBLED)
+    full = set(range(10, 19))
+    expected = {3: full, 6: full, 9: {10, 11, 12, 13}, 10: {16, 17, 18}, 13: full, 0: full}
+    assert post == {leaf: expected.get(leaf, set()) for leaf in range(16)}
+
+
+def test_depth_then_width_mode_2():
+    # depth pruning leaves 10, 11, 12, 13, 18, 19: 16 x 6 = 96, keep int(96 x 0.25) = 24: best 12 = leaves 3, 6;
+    # worst 12 = leaves 13, 0
+    union, post = pruned_tree("tree.prune_steps=[14, 15, 16, 17]", "tree.width_prune=2", "tree.width_ratio=0.25",
+                              rewards=SCRAMBLED)
+    kept = {10, 11, 12, 13, 18}
+    assert post == {leaf: kept if leaf in (3, 6, 13, 0) else set() for leaf in range(16)}
+    assert union == ALL - {14, 15, 16, 17}
+
+
+def test_prune_iter_ratio():
+    # train.iterations 10 x 0.5 = 5: the reference's steps 1..5 (iterations 0..4) prune, step 6 on does not
+    items = ("tree.prune_steps=[14, 15, 16, 17]", "tree.width_prune=1", "tree.prune_iter_ratio=0.5",
+             "train.iterations=10")
+    assert pruned_tree(*items, iteration=4)[0] == set(range(13))
+    assert pruned_tree(*items, iteration=5)[0] == ALL
+
+
+def test_split_rounds():
+    # parse_split_points: interval num_steps // rounds, rounds i x interval
+    cfg = load_config(None, ["tree.split_rounds=4", "sampler.num_steps=20", "train.group_size=16",
+                             "algo.loss_agg=token_mean"])
+    assert cfg.tree.split_steps == [0, 5, 10, 15]
+    cfg = load_config(None, ["tree.split_rounds=3", "sampler.num_steps=20", "train.group_size=8",
+                             "algo.loss_agg=token_mean"])
+    assert cfg.tree.split_steps == [0, 6, 12]
+    # the same rule written out is accepted again (a saved config reloads)
+    load_config(None, ["tree.split_rounds=3", "tree.split_steps=[0, 6, 12]", "sampler.num_steps=20",
+                       "train.group_size=8", "algo.loss_agg=token_mean"])
+    with pytest.raises(ValueError, match="set one of them"):
+        load_config(None, ["tree.split_rounds=2", "tree.split_steps=[0, 3]", "sampler.num_steps=20",
+                           "train.group_size=4", "algo.loss_agg=token_mean"])
+    with pytest.raises(ValueError, match="fewer rounds"):  # 10 rounds of 10 steps: a split on the last step 9
+        load_config(None, ["tree.split_rounds=10", "sampler.num_steps=10", "train.group_size=1024",
+                           "algo.loss_agg=token_mean"])
+
+
+def test_pruning_config_errors():
+    base = ["tree.split_steps=[0, 1]", "train.group_size=4", "algo.loss_agg=token_mean"]
+    with pytest.raises(ValueError, match="prune_slide_every > 0"):
+        load_config(None, base + ["tree.prune_steps=[4]", "tree.prune_slide_stop=2"])
+    with pytest.raises(ValueError, match="min\\(prune_steps\\)"):
+        load_config(None, base + ["tree.prune_steps=[4]", "tree.prune_slide_every=1", "tree.prune_slide_stop=5"])
+    with pytest.raises(ValueError, match="depth_pruning lists depths"):
+        load_config(None, base + ["tree.prune_steps=[10]"])
+    with pytest.raises(ValueError, match="prune_iter_ratio"):
+        load_config(None, base + ["tree.prune_iter_ratio=1.5"])
 
 
 def test_config_errors_name_the_fix():

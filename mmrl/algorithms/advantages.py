@@ -112,6 +112,26 @@ def gdpo(rewards: dict, weights: dict | None, group_id, valid, cfg, estimator):
     return adv.float(), stats
 
 
+@REWARD_AGGREGATIONS.register("per_reward")
+def per_reward(rewards: dict, weights: dict | None, group_id, valid, cfg, estimator):
+    """Pref-GRPO's multi-reward advantage (CodeGoat24/Pref-GRPO, fastvideo/rewards/dispatcher.py,
+    compute_weighted_advantages with use_group and without apply_gdpo): each component r_k through the estimator
+    within its groups (z-scores for grpo), A = sum_k w_k A_k, no further normalization; |A| <= cfg.adv_clip. The
+    reference's z-scores use the sample std + 1e-8 (algo.adv_std=sample, algo.adv_eps=1e-8)."""
+    if not weights:
+        raise ConfigError("algo.reward_aggregation=per_reward needs several weighted rewards: set reward.name=multi")
+    total = torch.zeros_like(rewards["overall"], dtype=torch.float64)
+    stats = {}
+    for k, w in weights.items():
+        a_k, s_k = estimator(component(rewards, k), group_id, valid, cfg)
+        total += w * a_k.double()
+        stats[f"adv/{k}/zero_std_group_frac"] = s_k["adv/zero_std_group_frac"]
+    adv = torch.where(valid, total, torch.zeros_like(total)).clamp(-cfg.adv_clip, cfg.adv_clip)
+    stats["adv/abs_mean"] = adv[valid].abs().mean().item() if valid.any() else 0.0
+    stats["adv/zero_std_group_frac"] = estimator(rewards["overall"], group_id, valid, cfg)[1]["adv/zero_std_group_frac"]
+    return adv.float(), stats
+
+
 @REWARD_AGGREGATIONS.register("batch")
 def batch_normalized(rewards: dict, weights: dict | None, group_id, valid, cfg, estimator):
     """Each component z-scored over the valid samples of the batch (every group, every rank: the trainer

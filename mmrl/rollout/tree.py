@@ -19,8 +19,12 @@ Where the reference code differs (documented, not copied):
   child was drawn from and the on-policy ratio stays exactly 1;
 - it z-scores with the unbiased std; the estimator here uses the population std of docs/algorithms.md §2 (a constant
   factor sqrt((n - 1) / n) on the depth's advantages);
-- width pruning ranks transitions; their advantage is constant along a leaf, so mode 1 keeps the first
-  `width_ratio` of each leaf's post-split steps and mode 2 keeps whole leaves, the best and the worst.
+- the last step is the ODE step to the clean sample here, never trained, where the reference draws it as an SDE
+  edge and trains it; pruning counts it as the reference does (width pruning's n) but cannot train it when kept;
+- width pruning mode 2 ranks the transitions of the whole iteration (every rank's trees), the reference those of
+  one rank's training step.
+Pruning follows train_one_step_tree of fastvideo/train_branchgrpo_flux.py (Fredreic1849/BranchGRPO) rule for
+rule otherwise (tests/test_tree.py, hand-computed trees): `_pruned`.
 """
 
 from __future__ import annotations
@@ -209,27 +213,59 @@ def _softmax_fusion(r, valid, inv, depth, step, old_log_prob, cfg):
     return node_r
 
 
+def pruned_steps(t, iteration: int) -> list[int]:
+    """The steps depth pruning removes at `iteration` (0-based): tree.prune_steps, slid (iteration + 1) //
+    prune_slide_every steps earlier (the reference's training steps count from 1) while the shallowest stays at or
+    after prune_slide_stop (default: the step before the last split, the reference's stop depth = last split)."""
+    if not t.prune_steps:
+        return []
+    shift = (iteration + 1) // t.prune_slide_every if t.prune_slide_every > 0 else 0
+    stop = t.prune_slide_stop if t.prune_slide_stop is not None else max(t.split_steps) - 1
+    shift = min(shift, max(min(t.prune_steps) - stop, 0))
+    return sorted(s - shift for s in t.prune_steps)
+
+
+def prunes_at(cfg, iteration: int) -> bool:
+    """Pruning (depth and width) applies while iteration + 1 <= int(train.iterations x tree.prune_iter_ratio)."""
+    return iteration + 1 <= int(cfg.train.iterations * cfg.tree.prune_iter_ratio)
+
+
 def _pruned(step: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor, cfg, iteration: int) -> torch.Tensor:
-    """[N, A] bool: transitions left out of training by depth pruning and width pruning."""
+    """[N, A] bool: transitions left out of training by depth pruning, then width pruning (train_one_step_tree).
+
+    Width pruning works on each leaf's transitions after the last split that depth pruning left, in step order,
+    counting the last step (num_steps - 1): the reference trains it as an SDE edge, here it is the ODE step to the
+    clean sample, never an action, so it is counted and, when kept, simply not trained. Their advantage is the
+    leaf's along the whole segment, so the reference's stable sort by advantage keeps them in step order."""
     t = cfg.tree
     out = torch.zeros_like(step, dtype=torch.bool)
-    last_split = max(t.split_steps)
-    if t.prune_steps:
-        shift = iteration // t.prune_slide_every if t.prune_slide_every > 0 else 0
-        shift = min(shift, max(min(t.prune_steps) - last_split - 1, 0))  # slide no earlier than past the last split
-        out |= torch.isin(step, torch.tensor([s - shift for s in t.prune_steps]))
-    post = step > last_split                                                            # [N, A]
-    if t.width_prune == 1:     # each leaf keeps the first width_ratio of its post-split steps
-        n_post = int(post[0].sum())
-        keep = max(1, int(n_post * t.width_ratio))
-        out |= post & (post.long().cumsum(1) > keep)
-    elif t.width_prune == 2 and post.any():  # keep the best and the worst leaves by advantage across the batch
-        leaf_adv = adv[:, -1]                # the last action is post-split: its node is the leaf
-        rows = valid.nonzero().squeeze(-1)
-        keep = max(2, int(len(rows) * t.width_ratio))
-        order = rows[torch.argsort(leaf_adv[rows], descending=True, stable=True)]
-        kept = torch.cat([order[:keep // 2], order[len(order) - (keep - keep // 2):]])
-        drop = torch.ones(len(step), dtype=torch.bool)
-        drop[kept] = False
-        out |= post & drop.unsqueeze(-1)
-    return out
+    if not prunes_at(cfg, iteration):
+        return out
+    gone = pruned_steps(t, iteration)
+    out |= torch.isin(step, torch.tensor(gone, dtype=step.dtype))
+    if not t.width_prune:
+        return out
+    last_split, last = max(t.split_steps), cfg.sampler.num_steps - 1
+    assert bool((step == step[:1]).all()), "tree actions are the same steps for every leaf"
+    post = [s for s in step[0].tolist() if s > last_split and s not in gone] + ([last] if last not in gone else [])
+    if not post:
+        return out
+    col = {s: j for j, s in enumerate(step[0].tolist())}
+    drop = torch.zeros_like(out)
+    if t.width_prune == 1:     # each leaf keeps its first max(1, int(n x ratio)) post-split transitions
+        keep = max(1, int(len(post) * t.width_ratio))
+        for s in post[keep:]:
+            if s in col:
+                drop[:, col[s]] = True
+    else:                      # of the batch's post-split transitions, the best and the worst by advantage
+        rows = valid.nonzero().squeeze(-1).tolist()
+        leaf_adv = adv[:, -1]  # the last action is the last split or after it: its node is the leaf
+        entries = [(r, s) for r in rows for s in post]                    # the reference's order: leaf, then step
+        order = sorted(range(len(entries)), key=lambda e: -float(leaf_adv[entries[e][0]]))  # stable: ties in order
+        keep = max(2, int(len(entries) * t.width_ratio))
+        best = keep // 2
+        kept = set(order[:best]) | set(order[len(order) - (keep - best):])
+        for e, (r, s) in enumerate(entries):
+            if e not in kept and s in col:
+                drop[r, col[s]] = True
+    return out | drop
