@@ -284,8 +284,8 @@ def flow_workload(cfg, model, inputs, text, vae, *, chunk: int, m: int, cp: int,
     latent, text_tokens, enc_dim, pooled_dim = inputs[1:5]
     train_latent = cp_cut(tuple(latent), cp)
 
-    def velocity(mods, rows: int, shape) -> torch.Tensor:  # CFG through FlowModel.velocity; Wan2.2's second
-        fm = FlowModel(mods[0], None, None, shape, call=inputs.call,  # expert runs one row (its lockstep path)
+    def velocity(mods, rows: int, shape) -> torch.Tensor:  # CFG through FlowModel.velocity; Wan2.2's second expert
+        fm = FlowModel(mods[0], None, None, shape, call=inputs.call,  # runs one row (the worst case: a lockstep call)
                        cfg_grad=s.cfg_grad)
         x, sigma = torch.randn(rows, *shape), torch.full((rows,), 0.5)
         enc, pooled = torch.randn(rows, text_tokens, enc_dim, dtype=dtype), torch.randn(rows, pooled_dim, dtype=dtype)
