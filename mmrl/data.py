@@ -145,6 +145,15 @@ def stratified_minibatches(group_id: torch.Tensor, minibatches: int, generator: 
     return [order[m::minibatches] for m in range(minibatches)]
 
 
+def in_chunks(fn, size: int, *tensors: torch.Tensor) -> torch.Tensor:
+    """fn(*tensors) computed on chunks of `size` rows (dim 0) and concatenated, when no gradient is recorded
+    (peak memory is then one chunk's); with gradients, or size 0, in one call."""
+    n = len(tensors[0])
+    if not size or size >= n or torch.is_grad_enabled():
+        return fn(*tensors)
+    return torch.cat([fn(*(t[i:i + size] for t in tensors)) for i in range(0, n, size)])
+
+
 def micro_batches(action_mask: torch.Tensor, idx: torch.Tensor, size: int, per_action: bool):
     """(rows [n'], actions [n', A] bool or None) parts of minibatch `idx` with at most `size` rows per training
     forward (0 = the whole minibatch): transitions when the policy scores actions independently (`per_action`,

@@ -3,17 +3,18 @@ gloo CPU processes (2 x 2), its gradient shards cross the replicas once per opti
 node; DDP's gradients are its bucket views; TF32 follows train.tf32 on CUDA only."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
+from nodes import launch_nodes
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests/workers/hsdp_train.py")
+WORKER = os.path.join(ROOT, "tests/workers/dist_matrix.py")  # 4 prompts: a group for each of 4 ranks
+PROMPTS = ["--set", "train.prompts_per_iter=4"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONPATH": ROOT}
 
 
@@ -26,7 +27,7 @@ def max_diff(a, b) -> float:
 def run(model, out, *args, procs: int = 1) -> str:
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] \
         if procs > 1 else [sys.executable]
-    r = subprocess.run([*launch, WORKER, model, str(out), *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+    r = subprocess.run([*launch, WORKER, model, str(out), *args, *PROMPTS], cwd=ROOT, env=ENV, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
@@ -54,12 +55,6 @@ def test_hsdp_on_2x2_processes_ends_where_one_process_ends(tiny_pixel_model, tmp
     print(f"replica all-reduces over 4 optimizer steps: {count}; {time.time() - start:.0f} s")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # ~80 s on 2 cores: 2 "nodes" x 2 processes, 3 feature sets and a save
 def test_hsdp_on_two_nodes_shards_per_node(tiny_pixel_model, tmp_path):
     """Two torchrun launches of 2 processes each (2 "nodes" on localhost, a default group without a CPU backend as
@@ -69,25 +64,8 @@ def test_hsdp_on_two_nodes_shards_per_node(tiny_pixel_model, tmp_path):
     features = "plain,ema_kl,lora"
     run(tiny_pixel_model, tmp_path / "one", "--parallel", "none", "--features", features)
     args = [WORKER, tiny_pixel_model, str(tmp_path / "nodes"), "--parallel", "hsdp", "--features", features,
-            "--save", "--nccl-like"]
-    port = free_port()
-    logs = [open(tmp_path / f"node{r}.log", "w+") for r in (0, 1)]
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
-                               "--rdzv_backend", "static", "--node_rank", str(r), "--master_addr", "127.0.0.1",
-                               "--master_port", str(port), *args], cwd=ROOT, env=ENV, stdout=log,
-                              stderr=subprocess.STDOUT, text=True) for r, log in zip((0, 1), logs)]
-    try:
-        for n in nodes:
-            n.wait(timeout=900)
-    finally:
-        for n in nodes:
-            n.kill()
-    text = []
-    for log in logs:
-        log.seek(0)
-        text.append(log.read())
-        log.close()
-    assert [n.returncode for n in nodes] == [0, 0], text[0][-3000:] + text[1][-3000:]
+            "--save", "--nccl-like", *PROMPTS]
+    text = launch_nodes(args, tmp_path, cwd=ROOT, env=ENV, per_node=2, timeout=900)
     for f in features.split(","):
         assert f"{f}: world 4 mesh (2, 2) ('replicate', 'shard')" in text[0], text[0][-3000:]
         d = max_diff(tmp_path / "one" / f"{f}.safetensors", tmp_path / "nodes" / f"{f}.safetensors")

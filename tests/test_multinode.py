@@ -2,31 +2,16 @@
 where a single process with the same global batch ends: the multi-node launch lines of docs/scale-out.md work."""
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from nodes import launch_nodes
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests/workers/dist_matrix.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONPATH": ROOT}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rendezvous(backend: str, node_rank: int, port: int) -> list[str]:
-    """static: node 0 hosts the store at master_addr:master_port, ranks follow node_rank. c10d: the store at
-    rdzv_endpoint, ranks given by arrival (node_rank is ignored)."""
-    if backend == "static":
-        return ["--rdzv_backend", "static", "--node_rank", str(node_rank), "--master_addr", "127.0.0.1",
-                "--master_port", str(port)]
-    return ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "mmrl-multinode"]
 
 
 @pytest.fixture(scope="module")
@@ -43,24 +28,7 @@ def test_two_nodes_end_where_one_process_ends(backend, single_process, tiny_pixe
     """3 prompts x 4 samples, 2 minibatches, 2 iterations (dist_matrix's `plain`): node 0 samples groups [0, 1.5),
     node 1 the rest (a group spans the nodes); only global rank 0 writes."""
     args = [WORKER, tiny_pixel_model, str(tmp_path / "nodes"), "--parallel", "ddp", "--features", "plain"]
-    port = free_port()
-    # files, not pipes: a node blocked on a full pipe would stall the other in a collective
-    logs = [open(tmp_path / f"node{r}.log", "w+") for r in (0, 1)]
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-                               *rendezvous(backend, r, port), *args], cwd=ROOT, env=ENV, stdout=log,
-                              stderr=subprocess.STDOUT, text=True) for r, log in zip((0, 1), logs)]
-    try:
-        for n in nodes:
-            n.wait(timeout=600)
-    finally:
-        for n in nodes:
-            n.kill()
-    text = []
-    for log in logs:
-        log.seek(0)
-        text.append(log.read())
-        log.close()
-    assert [n.returncode for n in nodes] == [0, 0], text[0][-3000:] + text[1][-3000:]
+    text = launch_nodes(args, tmp_path, cwd=ROOT, env=ENV, backend=backend)
     assert "plain: world 2" in "".join(text)
     two = load_file(tmp_path / "nodes/plain.safetensors")
     assert single_process.keys() == two.keys()

@@ -92,24 +92,36 @@ def weighted_sum(rewards: dict, weights: dict | None, group_id, valid, cfg, esti
     return estimator(rewards["overall"], group_id, valid, cfg)
 
 
-@REWARD_AGGREGATIONS.register("gdpo")
-def gdpo(rewards: dict, weights: dict | None, group_id, valid, cfg, estimator):
-    """GDPO decoupled normalization: each component r_k through the estimator within its groups (z-scores for
-    grpo), S = sum_k w_k * A_k, then S z-scored over the valid samples of the batch; |A| <= cfg.adv_clip."""
+def _component_advantages(name: str, rewards: dict, weights: dict | None, group_id, valid, cfg, estimator):
+    """(S = sum_k w_k A_k [N] float64, stats): each weighted component r_k through the estimator within its groups
+    (z-scores for grpo), with each component's zero-std fraction."""
     if not weights:
-        raise ConfigError("algo.reward_aggregation=gdpo needs several weighted rewards: set reward.name=multi")
+        raise ConfigError(f"algo.reward_aggregation={name} needs several weighted rewards: set reward.name=multi")
     total = torch.zeros_like(rewards["overall"], dtype=torch.float64)
     stats = {}
     for k, w in weights.items():
         a_k, s_k = estimator(component(rewards, k), group_id, valid, cfg)
         total += w * a_k.double()
         stats[f"adv/{k}/zero_std_group_frac"] = s_k["adv/zero_std_group_frac"]
-    v = total[valid]
-    mean, std = (v.mean(), v.std(unbiased=False)) if v.numel() else (0.0, 1.0)
-    adv = torch.where(valid, (total - mean) / (std + std_kind(cfg)[1]), torch.zeros_like(total)).clamp(-cfg.adv_clip, cfg.adv_clip)
+    return total, stats
+
+
+def _clipped(adv, stats: dict, rewards: dict, group_id, valid, cfg, estimator):
+    """adv [N] with invalid samples at 0 and |A| <= cfg.adv_clip, and the stats every aggregation logs."""
+    adv = torch.where(valid, adv, torch.zeros_like(adv)).clamp(-cfg.adv_clip, cfg.adv_clip)
     stats["adv/abs_mean"] = adv[valid].abs().mean().item() if valid.any() else 0.0
     stats["adv/zero_std_group_frac"] = estimator(rewards["overall"], group_id, valid, cfg)[1]["adv/zero_std_group_frac"]
     return adv.float(), stats
+
+
+@REWARD_AGGREGATIONS.register("gdpo")
+def gdpo(rewards: dict, weights: dict | None, group_id, valid, cfg, estimator):
+    """GDPO decoupled normalization: each component r_k through the estimator within its groups (z-scores for
+    grpo), S = sum_k w_k * A_k, then S z-scored over the valid samples of the batch; |A| <= cfg.adv_clip."""
+    total, stats = _component_advantages("gdpo", rewards, weights, group_id, valid, cfg, estimator)
+    v = total[valid]
+    mean, std = (v.mean(), v.std(unbiased=False)) if v.numel() else (0.0, 1.0)
+    return _clipped((total - mean) / (std + std_kind(cfg)[1]), stats, rewards, group_id, valid, cfg, estimator)
 
 
 @REWARD_AGGREGATIONS.register("per_reward")
@@ -118,18 +130,8 @@ def per_reward(rewards: dict, weights: dict | None, group_id, valid, cfg, estima
     compute_weighted_advantages with use_group and without apply_gdpo): each component r_k through the estimator
     within its groups (z-scores for grpo), A = sum_k w_k A_k, no further normalization; |A| <= cfg.adv_clip. The
     reference's z-scores use the sample std + 1e-8 (algo.adv_std=sample, algo.adv_eps=1e-8)."""
-    if not weights:
-        raise ConfigError("algo.reward_aggregation=per_reward needs several weighted rewards: set reward.name=multi")
-    total = torch.zeros_like(rewards["overall"], dtype=torch.float64)
-    stats = {}
-    for k, w in weights.items():
-        a_k, s_k = estimator(component(rewards, k), group_id, valid, cfg)
-        total += w * a_k.double()
-        stats[f"adv/{k}/zero_std_group_frac"] = s_k["adv/zero_std_group_frac"]
-    adv = torch.where(valid, total, torch.zeros_like(total)).clamp(-cfg.adv_clip, cfg.adv_clip)
-    stats["adv/abs_mean"] = adv[valid].abs().mean().item() if valid.any() else 0.0
-    stats["adv/zero_std_group_frac"] = estimator(rewards["overall"], group_id, valid, cfg)[1]["adv/zero_std_group_frac"]
-    return adv.float(), stats
+    total, stats = _component_advantages("per_reward", rewards, weights, group_id, valid, cfg, estimator)
+    return _clipped(total, stats, rewards, group_id, valid, cfg, estimator)
 
 
 @REWARD_AGGREGATIONS.register("batch")

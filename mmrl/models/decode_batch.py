@@ -10,6 +10,8 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mmrl.data import in_chunks
+
 MEMORY_FRACTION = 0.5  # of the device's free memory a decode may take: the estimate ignores allocator fragmentation
 
 
@@ -116,6 +118,4 @@ def decode_rows(decode, latents: torch.Tensor, chunk: int) -> torch.Tensor:
     vae = getattr(decode, "vae", None)
     if vae is not None:
         return decode_in_batches(decode, vae, latents, cache=decode.costs)
-    if not chunk or chunk >= len(latents):
-        return decode(latents)
-    return torch.cat([decode(latents[i:i + chunk]) for i in range(0, len(latents), chunk)])
+    return in_chunks(decode, chunk, latents)

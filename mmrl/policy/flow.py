@@ -22,7 +22,7 @@ import torch
 
 from mmrl.cache import BoundedCache
 from mmrl.config import SHARDED
-from mmrl.data import PolicyOutput, Rollout, condition_images, group_ids, load_image
+from mmrl.data import PolicyOutput, Rollout, condition_images, group_ids, in_chunks, load_image
 from mmrl.errors import ConfigError
 from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, save_lora_adapter, upcast_trainable,
                               write_policy_meta)
@@ -499,12 +499,3 @@ class FlowPolicy(PolicyDefaults):
                 load_lora_adapter(tr, path if name == "transformer" else os.path.join(path, name))
             else:
                 _load_transformer_weights(tr, path, name)
-
-
-def in_chunks(fn, size: int, *tensors: torch.Tensor) -> torch.Tensor:
-    """fn(*tensors) computed on chunks of `size` rows (dim 0) and concatenated, when no gradient is recorded
-    (peak memory is then one chunk's); with gradients, or size 0, in one call."""
-    n = len(tensors[0])
-    if not size or size >= n or torch.is_grad_enabled():
-        return fn(*tensors)
-    return torch.cat([fn(*(t[i:i + size] for t in tensors)) for i in range(0, n, size)])

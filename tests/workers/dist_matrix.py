@@ -1,8 +1,9 @@
 """Worker for tests/test_distributed.py's feature matrix: for each named feature set, a fresh trainer on a tiny flow
 model runs k steps (3 prompts x 4 samples, 2 minibatches), in one process or under torchrun, and rank 0 writes
-OUT/FEATURE.safetensors (the trained parameters, whole) and OUT/FEATURE.json (the last step's metrics).
+OUT/FEATURE.safetensors (the trained parameters, whole) and OUT/FEATURE.json (the last step's metrics), and prints
+its optimizer steps and, under hsdp, the shard mesh and how many all-reduces crossed the replicas.
 
-    python tests/workers/dist_matrix.py MODEL OUT --parallel none|ddp|fsdp --features plain,micro,... [--steps K]
+    python tests/workers/dist_matrix.py MODEL OUT --parallel none|ddp|fsdp|hsdp --features plain,micro,... [--steps K]
         [--set KEY=VALUE ...]   (overrides for every feature set)
         [--nccl-like]   (the default group made with init_process_group("cuda:gloo"): no CPU backend, as NCCL)
 
@@ -18,6 +19,19 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+
+def count_all_reduces(counts: dict) -> None:
+    """Count the all-reduces on each group (FSDP2 calls torch.distributed.all_reduce for HSDP's replicas)."""
+    import torch.distributed as dist
+
+    real = dist.all_reduce
+
+    def counted(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        counts[group] = counts.get(group, 0) + 1
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = counted
+
 
 class RefillReward:
     """A reward that makes DAPO dynamic sampling refill with fewer groups than ranks: every group of a round scores
@@ -74,7 +88,8 @@ def main():
     p.add_argument("--parallel", default="none")
     p.add_argument("--features", default="plain")
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--set", nargs="*", default=[], help="overrides for every feature set (e.g. another model / task)")
+    p.add_argument("--set", nargs="*", action="extend", default=[],
+                   help="overrides for every feature set (e.g. another model / task); repeated --set add up")
     p.add_argument("--eval", action="store_true", help="then the held-out evaluation (sharded over the ranks)")
     p.add_argument("--save", action="store_true", help="then a checkpoint (FSDP: gathered on rank 0)")
     p.add_argument("--nccl-like", action="store_true", help="the default process group has no CPU backend, as NCCL: "
@@ -97,6 +112,8 @@ def main():
     from mmrl.trainer import Trainer
 
     os.makedirs(args.out, exist_ok=True)
+    counts: dict = {}
+    count_all_reduces(counts)
     tr = None
     for name in args.features.split(","):
         cfg = load_config(os.path.join(ROOT, "configs/tiny/flow_smoke.yaml"), [
@@ -104,22 +121,28 @@ def main():
             "log.eval_at_start=false", f"train.parallel={args.parallel}", "model.reference=none",
             "train.minibatches=2", "train.prompts_per_iter=3", "train.group_size=4", *FEATURES[name], *args.set])
         tr = Trainer(cfg)
+        counts.clear()
+        steps = 0
         for it in range(args.steps):
             tr.iteration = it  # as Trainer.fit does
             m = tr.step(it)
+            steps += m["train/optimizer_steps"]
         if args.eval:
             m = {**m, **{f"eval/{k}": v for k, v in tr.evaluate(args.steps).items() if k != "per_category"}}
         if args.save:
             tr.iteration = args.steps
             tr.save()
         tr.dist.check_in_sync(tr.params)
+        mesh = tr.dist.shard_mesh() if tr.dist.world > 1 and args.parallel == "hsdp" else None
+        layout = "" if mesh is None else (f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names} replica all-reduces "
+                                          f"{counts.get(mesh['replicate'].get_group(), 0)} ")
         params = gather_to(tr.dist.main, tr.params)
         if tr.dist.main:
             save_file({f"p{i}": q.contiguous() for i, q in enumerate(params)}, os.path.join(args.out, f"{name}.safetensors"))
             with open(os.path.join(args.out, f"{name}.json"), "w") as f:
                 json.dump(m, f)
-            print(f"{name}: world {tr.dist.world} reward {m['reward/overall_mean']:.4f} loss {m['train/loss']:.6f}",
-                  flush=True)
+            print(f"{name}: world {tr.dist.world} {layout}optimizer steps {steps} reward {m['reward/overall_mean']:.4f} "
+                  f"loss {m['train/loss']:.6f}", flush=True)
     tr.dist.close()
 
 
