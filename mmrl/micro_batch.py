@@ -42,7 +42,8 @@ def fit_micro_batch(cfg, budget_gib: float, arch: str | None = None, world: int 
     token policy, or when a forward of one row does not fit `budget_gib`."""
     from mmrl.algorithms.objective import build_objective
     from mmrl.config import policy_kind
-    from mmrl.plan import _flow_steps, _rows, plan
+    from mmrl.plan import plan
+    from mmrl.plan_rows import flow_steps, rows_of
 
     if policy_kind(cfg.model.policy) != "flow":
         raise ConfigError(f"train.micro_batch=auto sizes flow policies; model.policy={cfg.model.policy}'s memory follows "
@@ -58,7 +59,7 @@ def fit_micro_batch(cfg, budget_gib: float, arch: str | None = None, world: int 
     peaks = ("peak_sampling_gib", "peak_training_gib")
     per_row = {k: two[k] - one[k] for k in peaks}                         # GiB one more row adds to each peak
     forward = build_objective(cfg.algo).actions == "forward"             # transitions of a rank's planned minibatch
-    rows = _rows(cfg.train, world).share * _flow_steps(cfg.sampler, forward, one.get("experts", 1))[0]
+    rows = rows_of(cfg.train, world).share * flow_steps(cfg.sampler, forward, one.get("experts", 1))[0]
     limit = HEADROOM * budget_gib
     if one["total_gib"] > limit:
         raise ConfigError(f"train.micro_batch=auto: a forward of one row plans {one['total_gib']:.1f} GiB, over "

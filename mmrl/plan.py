@@ -64,7 +64,7 @@ from typing import Callable
 import torch
 
 from mmrl.algorithms.objective import build_objective
-from mmrl.config import SHARDED, policy_kind, sample_chunk
+from mmrl.config import SHARDED, policy_kind
 from mmrl.devices import torch_dtype
 from mmrl.distributed import check_parallel_config
 from mmrl.shards import transformer_blocks
@@ -73,6 +73,7 @@ from mmrl.models.families import all_architectures, lora_targets
 from mmrl.plan_models import (Shapes, decode_peak, flow_model, frozen_parts, janus_frozen, janus_model, janus_scorer,
                               kv_cache_bytes, measure_forward, param_bytes, prepare, prepare_janus, token_model)
 from mmrl.plan_measure import PHASES, flow_workload, janus_workload, measure, token_workload
+from mmrl.plan_rows import Rows, flow_steps, idle_expert_rows, rows_of
 from mmrl.policy.base import reference_kind
 
 log = logging.getLogger(__name__)
@@ -86,18 +87,6 @@ PLAN_NODE_GPUS = 8  # GPUs per node for train.parallel=hsdp with train.shard_siz
 def _kind(cfg) -> str | None:
     """flow | token | janus: the policies mmrl plan knows (None: a user's own)."""
     return policy_kind(cfg.model.policy) or ("janus" if cfg.model.policy == "janus" else None)
-
-
-def rank_share(total: int, mine: int, drawn: int, p: float = 1e-6) -> tuple[float, int, int]:
-    """A rank's rows in one minibatch: `drawn` rows of `total` drawn without replacement, `mine` of them the rank's
-    (hypergeometric). Returns (mean, the count exceeded with probability < p, the most possible)."""
-    hi, lo = min(mine, drawn), max(0, drawn - (total - mine))
-    above, bound = 0, p * math.comb(total, drawn)  # P(X > k), scaled by comb(total, drawn)
-    for k in range(hi, lo - 1, -1):
-        if above >= bound:
-            return drawn * mine / total, k + 1, hi
-        above += math.comb(mine, k) * math.comb(total - mine, drawn - k)
-    return drawn * mine / total, lo, hi
 
 
 
@@ -141,24 +130,6 @@ def _without_cast_warnings(fn):
 
 
 @dataclass
-class Rows:
-    """An iteration's rows and one rank's share (world data-parallel processes)."""
-    total: int    # rows sampled per iteration (prompts x group_size)
-    rank: int     # the most rows one rank samples (whole groups)
-    mean: float   # a rank's rows in one minibatch: on average,
-    share: int    # the count exceeded in < 1e-6 of minibatches (what the plan sizes for),
-    most: int     # and the most possible
-    chunk: int    # rows per forward without gradients (sampling, VAE decoding): train.sample_chunk, else all
-    world: int    # data-parallel processes
-
-
-def _rows(t, world: int) -> Rows:
-    total, rank = t.prompts_per_iter * t.group_size, -(-t.prompts_per_iter // world) * t.group_size
-    mean, share, most = rank_share(total, rank, total // t.minibatches)
-    return Rows(total, rank, mean, share, most, sample_chunk(t) or rank, world)
-
-
-@dataclass
 class Parts:
     """The trained model on meta (prepared as the policy prepares it) and what a rank holds around it, in bytes."""
     model: torch.nn.Module
@@ -192,43 +163,6 @@ def _architecture(cfg, arch_name: str | None) -> dict | None:
     return arch
 
 
-def _flow_steps(s, forward: bool, experts: int = 1) -> tuple[int, int]:
-    """(trained actions per row, transformer calls of one sampled chain): SDE steps (a window in each expert's steps:
-    Wan2.2's two), or noise levels of the final sample (forward-process losses); MixGRPO-Flash's strided ODE calls,
-    the SDE windows at their first starts."""
-    from mmrl.sampling.flow_sde import strided_schedule
-
-    last = s.num_steps - 1
-    sde = min(experts * s.sde_window_size, last) if s.sde_window_size else last
-    trained = s.forward_timesteps if forward else sde
-    kinds = ["sde" if i < sde else "ode" for i in range(s.num_steps)]
-    return trained, len(strided_schedule(torch.zeros(s.num_steps + 1), kinds, s.ode_stride)[1])
-
-
-def _idle_expert_rows(cfg, model, rows: Rows, trained_steps: int, forward: bool) -> int:
-    """Rows with gradients an iteration adds by two experts scoring in lockstep (Wan2.2 under several processes,
-    FlowPolicy._lockstep): under DDP and HSDP the backward that synchronizes a step's gradients runs both experts,
-    so a step whose last training forward holds one expert's transitions runs the other on one idle row. FSDP2's
-    calls, decided per call, add none while every rank's micro-batches hold the same steps (equal shares, as
-    planned). Counted on one rank's micro-batches as the trainer cuts them (data.micro_batches over each row's
-    trained steps, the high-noise expert's first); a forward-process objective's noise levels are drawn per row, so
-    its last forward is counted as one expert's."""
-    from mmrl.data import micro_batches
-    from mmrl.models.families.common import static_schedule
-
-    t, s = cfg.train, cfg.sampler
-    if getattr(model, "experts", 1) < 2 or rows.world == 1 or t.parallel not in ("ddp", "hsdp"):
-        return 0
-    sigmas = static_schedule(s.num_steps, s.shift)[:-1]
-    high = int((sigmas >= model.boundary).sum()) if model.boundary is not None else 0
-    high = min(s.sde_window_size or high, high, trained_steps)                         # trained steps of the first
-    mask = torch.ones(max(round(rows.mean), 1), trained_steps, dtype=torch.bool)       # a rank's minibatch
-    *_, (_, last) = micro_batches(mask, torch.arange(len(mask)), t.micro_batch, True)
-    last = mask if last is None else last
-    one = forward or bool(last[:, :high].any()) != bool(last[:, high:].any())
-    return int(one) * rows.world * t.minibatches // t.grad_accum * t.inner_epochs
-
-
 def _flow_call(model, inputs, m: int, dtype: torch.dtype) -> Callable[[], None]:
     """One training forward of m rows on meta tensors through the family's call."""
     def run():
@@ -248,12 +182,12 @@ def _flow_parts(cfg, arch: dict | None, rows: Rows, cp: int, needs_reference: bo
         raise ConfigError(f"--cp {cp}: diffusers has no context-parallel plan for {type(model).__name__}; use --cp 1")
     prepare(model, cfg, lora_targets(family, cfg.model.lora.target_modules))
     forward = build_objective(cfg.algo).actions == "forward"  # also pays one velocity forward per action sampling
-    trained_steps, sample_calls = _flow_steps(s, forward, getattr(model, "experts", 1))
+    trained_steps, sample_calls = flow_steps(s, forward, getattr(model, "experts", 1))
     cfg_rows = 2 if s.cfg_scale != 1.0 else 1
     transitions = t.micro_batch or rows.share * trained_steps
     grad_rows = cfg_rows if s.cfg_grad == "full" else 1  # cfg_grad=cond: the unconditional rows run without autograd
     trained = rows.total * trained_steps * t.inner_epochs
-    idle = _idle_expert_rows(cfg, model, rows, trained_steps, forward)
+    idle = idle_expert_rows(cfg, model, rows, trained_steps, forward)
     shapes = Shapes(transitions * grad_rows, rows.total * (sample_calls + (s.forward_timesteps if forward else 0)) * cfg_rows,
                     trained * grad_rows + idle, trained * (cfg_rows - grad_rows))
     text, vae = frozen_parts(cfg, arch, family)
@@ -473,7 +407,7 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int | None = None, wo
     if kind is None:
         raise ConfigError(f"mmrl plan knows the built-in policies (flow, token, janus), not "
                           f"model.policy={cfg.model.policy}")
-    rows, needs_reference = _rows(cfg.train, world), build_objective(cfg.algo).needs_reference
+    rows, needs_reference = rows_of(cfg.train, world), build_objective(cfg.algo).needs_reference
     if kind == "flow":
         parts = _flow_parts(cfg, arch, rows, cp, needs_reference)
     else:

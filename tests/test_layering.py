@@ -32,7 +32,7 @@ LAYERS = [
     # 4 composition: config names -> objects; checkpoint files; the plan of a config at real size (the trainer reads it
     #   for train.micro_batch=auto)
     ["mmrl.compose", "mmrl.checkpoint", "mmrl.checkpoint_state", "mmrl.plan", "mmrl.plan_models", "mmrl.plan_measure",
-     "mmrl.micro_batch"],
+     "mmrl.plan_rows", "mmrl.micro_batch"],
     # 5 the loop, the reward server
     ["mmrl.trainer", "mmrl.reward_server", "mmrl.runs"],
     # 6 tools on top of the loop

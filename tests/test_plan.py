@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from mmrl.compose import load_config
-from mmrl.plan import plan, rank_share
+from mmrl.plan import plan
+from mmrl.plan_rows import rank_share
 from mmrl.testing.memory import measure
 
 # published sizes of the trained networks (diffusers transformers; Qwen2.5-VL-7B as a whole)
@@ -397,11 +398,11 @@ def test_two_experts_idle_rows_are_counted_where_they_run():
     adds none while the ranks' micro-batches hold the same steps; one process adds none."""
     from types import SimpleNamespace
 
-    from mmrl.plan import _idle_expert_rows, _rows
+    from mmrl.plan_rows import idle_expert_rows, rows_of
 
     def idle(parallel, world, *items):
         cfg = load_config("configs/t2v/wan22_a14b_lora.yaml", [f"train.parallel={parallel}", *items])
-        return _idle_expert_rows(cfg, SimpleNamespace(experts=2, boundary=0.875), _rows(cfg.train, world), 19, False)
+        return idle_expert_rows(cfg, SimpleNamespace(experts=2, boundary=0.875), rows_of(cfg.train, world), 19, False)
 
     # 20 steps at shift 12: 13 trained steps of the high-noise expert, then 6; a micro-batch of 1 transition ends
     # each step on the low-noise expert alone: one idle row per optimizer step and rank
