@@ -62,7 +62,9 @@ def build_algorithm(cfg: Config) -> Algorithm:
 
 
 def credit_name(cfg: Config) -> str:
-    return cfg.algo.credit if cfg.algo.credit != "auto" else ("tree" if cfg.tree.split_steps else "group")
+    if cfg.algo.credit != "auto":
+        return cfg.algo.credit
+    return "tree" if cfg.tree.split_steps else "step_branch" if cfg.sampler.branch_children else "group"
 
 
 def check_choices(cfg: Config) -> Config:

@@ -68,6 +68,9 @@ class SamplerConfig:
     forward_t_range: list[float] = field(default_factory=lambda: [0.0, 1.0])  # t ~ U(lo, hi)
     shared_noise: bool = False    # the samples of a group start from one initial noise (DanceGRPO): reward
                                   # differences within a group then come from the trained SDE steps alone
+    branch_children: int = 0      # > 0: TempFlow-GRPO per-step branching (mmrl/rollout/step_branch.py): one ODE trunk
+                                  # per prompt and, at every step of the SDE window (size 0: every trainable step),
+                                  # this many SDE children finished by ODE; train.group_size = children x window steps
     eval_steps: int = 16          # ODE steps for evaluation
     eval_cfg_scale: float = 4.0
     # token policies (vlm): sampling of completions; evaluation decodes greedily
@@ -198,6 +201,8 @@ class AlgoConfig:
     kl_reference: str = "base"    # the KL's reference: base (the frozen initial model) | ema (the EMA of the trained
                                   # weights, train.ema_decay, which evaluation also uses)
     weighting: str = "none"       # WEIGHTINGS key, or keys joined by "+" whose weights multiply (tempflow+guard_dt)
+    tempflow_constant: float | None = None  # weighting tempflow: w_t = this x std_t (the official code's constant:
+                                  # 2.25 SD3 at 10 steps, 1.73 FLUX); null = std_t / the schedule's mean std
     ratio: str = "none"           # RATIO_TRANSFORMS key: none | gspo (sequence-level ratio)
     shaping: ShapingConfig = field(default_factory=ShapingConfig)  # reward shaping {name, kwargs} before advantages
     reward_aggregation: str = "sum"  # REWARD_AGGREGATIONS key for several rewards (reward.name=multi): sum | gdpo |
@@ -205,7 +210,8 @@ class AlgoConfig:
     offpolicy: str = "none"       # OFFPOLICY key: none | ground_truth (TempSamp-R1 injection, one row per group)
     dynamic_sampling: bool = False  # DAPO: resample prompts whose group has zero reward std
     dynamic_sampling_tries: int = 3  # extra sampling rounds at most per iteration
-    credit: str = "auto"          # CREDIT_ASSIGNMENTS key: group | tree | pkg.mod:fn; auto = tree when tree.split_steps
+    credit: str = "auto"          # CREDIT_ASSIGNMENTS key: group | tree | step_branch | pkg.mod:fn; auto = tree when
+                                  # tree.split_steps, step_branch when sampler.branch_children
 
 
 SHARDED = ("fsdp", "hsdp")  # train.parallel values whose weights are FSDP2 DTensor shards (sharded checkpoints,
@@ -428,13 +434,32 @@ class Config:
         r = s.forward_t_range
         if len(r) != 2 or not 0 <= r[0] < r[1] <= 1:
             raise ConfigError(f"sampler.forward_t_range must be [lo, hi] with 0 <= lo < hi <= 1, got {s.forward_t_range}")
+        if s.branch_children:
+            self._validate_branching()
+
+    def _validate_branching(self) -> None:
+        s, k = self.sampler, self.sampler.branch_children
+        steps = s.sde_window_size or s.num_steps - 1  # branch steps per prompt (Wan2.2: a window in each expert's steps)
+        if k < 2 or self.train.group_size % k or self.train.group_size // k not in (steps, 2 * steps):
+            raise ConfigError(f"sampler.branch_children={k} children at each of {steps} branch steps give "
+                              f"{k * steps} rows per prompt: set train.group_size={k * steps} (two experts, Wan2.2: "
+                              f"{2 * k * steps}), branch_children >= 2 (the children of a step are its group)")
+        if self.tree.split_steps:
+            raise ConfigError("sampler.branch_children (TempFlow per-step branching) and tree.split_steps (BranchGRPO) "
+                              "are two rollout shapes: set one")
+        if s.ode_stride != 1 or s.ode_solver != "euler" or s.kind == "ode":
+            raise ConfigError("sampler.branch_children runs an Euler ODE trunk and SDE children: set sampler.ode_stride=1, "
+                              "sampler.ode_solver=euler and an SDE sampler.kind (flow_grpo, dance, cps)")
+        if self.algo.credit not in ("auto", "step_branch"):
+            raise ConfigError(f"sampler.branch_children gives each child one action whose group is its prompt's step: "
+                              f"set algo.credit=auto (step_branch), got {self.algo.credit!r}")
 
 
     # keys that only one kind of policy reads: set for the other, they would be ignored silently
     FLOW_ONLY = {"sampler": ("kind", "num_steps", "noise_level", "cfg_scale", "shift", "sde_window_size",
                              "sde_window_range", "logprob_reduce", "shared_noise", "eval_steps", "eval_cfg_scale", "cfg_grad",
                              "window_schedule", "window_shift_every", "ode_solver", "ode_stride", "forward_timesteps",
-                             "forward_t_range"),
+                             "forward_t_range", "branch_children"),
                  "model": ("sample_size", "num_frames", "guidance", "text_cache", "offload", "text_max_length")}
     TOKEN_ONLY = {"sampler": ("temperature", "top_p", "max_new_tokens", "engine", "vllm"),
                   "model": ("shared_prefix", "freeze_vision")}

@@ -146,7 +146,7 @@ def test_ranks_that_drift_apart_are_caught(tiny_pixel_model, tmp_path):
 
 
 MATRIX = os.path.join(ROOT, "tests/workers/dist_matrix.py")
-FEATURES = "plain,micro,tree,tree_pruned,dynamic,refill,workers,pairwise,nft,awm,flash,ema_kl,awm_ema_anchor,lora,all_tree,all_chain"
+FEATURES = "plain,micro,tree,tree_pruned,step_branch,dynamic,refill,workers,pairwise,nft,awm,flash,ema_kl,awm_ema_anchor,lora,all_tree,all_chain"
 
 
 def run_matrix(model, out, parallel, features=FEATURES, procs=2, *extra):
@@ -171,7 +171,8 @@ def frac_over(a: str, b: str, tol: float) -> float:
 
 
 def test_every_feature_ends_where_one_process_ends(tiny_pixel_model, tmp_path):
-    """Each feature set of tests/workers/dist_matrix.py (micro-batches, BranchGRPO trees with pruning, DAPO dynamic
+    """Each feature set of tests/workers/dist_matrix.py (micro-batches, BranchGRPO trees with pruning, TempFlow
+    per-step branching, DAPO dynamic
     sampling with refill rounds of fewer groups than ranks (alone, and with reward overlap workers and
     micro-batches), reward overlap workers, Pref-GRPO pairwise rewards, NFT, AWM, MixGRPO-Flash, EMA + KL to the EMA,
     anchored AWM with its EMA anchor beside a KL to the base,

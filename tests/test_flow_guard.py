@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mmrl.algorithms.ratio import RATIO_TRANSFORMS
-from mmrl.algorithms.weighting import WEIGHTINGS
+from mmrl.algorithms.weighting import WEIGHTINGS, TempFlowKnobs
 from mmrl.data import PolicyOutput, Rollout
 
 from test_flow_policy import make_policy
@@ -19,7 +19,8 @@ def test_weights_by_hand():
     ro = _rollout(1, 2, sigma=torch.tensor([[1.0, 0.8]]), sigma_next=torch.tensor([[0.8, 0.5]]))
     out = PolicyOutput(torch.zeros(1, 2), {"std": torch.tensor([[0.1, 0.3]]), "schedule_std_mean": torch.tensor(0.2)})
     assert WEIGHTINGS["guard_dt"](ro, out)[0].tolist() == pytest.approx([1 / 0.2, 1 / 0.3])
-    assert WEIGHTINGS["tempflow"](ro, out)[0].tolist() == pytest.approx([0.5, 1.5])  # std / the schedule's mean std
+    # std / the schedule's mean std (the official constant form: tests/test_step_branch.py)
+    assert WEIGHTINGS["tempflow"](ro, out, TempFlowKnobs(None))[0].tolist() == pytest.approx([0.5, 1.5])
 
 
 def test_ratio_norm_by_hand():

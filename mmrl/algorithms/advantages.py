@@ -154,9 +154,11 @@ def batch_normalized(rewards: dict, weights: dict | None, group_id, valid, cfg, 
 # ------------------------------------------------------------------ credit assignment: advantages per action
 # A rule `(rewards {key: [N]} with "overall" already shaped, weights, rollout, valid [N], cfg, iteration)
 # -> (advantages [N] or [N, A], stats)`. `group`: one advantage per sample from its group (every trained
-# action of the sample gets it). `tree`: BranchGRPO's per-transition advantages of tree rollouts. A rule that reads
+# action of the sample gets it). `tree`: BranchGRPO's per-transition advantages of tree rollouts. `step_branch`:
+# TempFlow-GRPO's per-step branching, a child's group is its prompt's children at its branch step. A rule that reads
 # per-action rollout extras names them in `fn.reads_extras` (several processes gather them with the rewards).
-CREDIT_ASSIGNMENTS = Registry("credit assignment", {"tree": "mmrl.rollout.tree:tree_credit"})
+CREDIT_ASSIGNMENTS = Registry("credit assignment", {"tree": "mmrl.rollout.tree:tree_credit",
+                                                    "step_branch": "mmrl.rollout.step_branch:step_credit"})
 
 
 @CREDIT_ASSIGNMENTS.register("group")

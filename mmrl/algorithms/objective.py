@@ -102,15 +102,18 @@ class KLPenalty:
 
 @dataclass
 class Weighting:
-    """x WEIGHTINGS[name](rows, out) per action (TempFlow-GRPO's noise-level weights, GRPO-Guard's dt, ...)."""
+    """x WEIGHTINGS[name](rows, out) per action (TempFlow-GRPO's noise-level weights, GRPO-Guard's dt, ...); a
+    weighting with knobs (`fn.knobs`, filled from its algo.* keys) is called fn(rows, out, knobs)."""
     name: str
+    knobs: Any = None
 
     @property
     def reads(self) -> tuple[str, ...] | None:  # a weighting that declares nothing may read anything
         return getattr(WEIGHTINGS[self.name], "reads", None)
 
     def __call__(self, loss, b: Batch):
-        return loss * WEIGHTINGS[self.name](b.rows, b.out), {}
+        fn = WEIGHTINGS[self.name]
+        return loss * (fn(b.rows, b.out) if self.knobs is None else fn(b.rows, b.out, self.knobs)), {}
 
 
 @dataclass
@@ -197,7 +200,8 @@ def build_objective(algo) -> Objective:
     terms = [PolicyLoss(fn, build_knobs(fn, o.name, o.kwargs, "algo.objective", algo))]
     if algo.kl_coef > 0:
         terms.append(KLPenalty(algo.kl, algo.kl_coef))
-    terms += [Weighting(name) for name in algo.weighting.split("+") if name != "none"]
+    terms += [Weighting(name, build_knobs(WEIGHTINGS[name], name, None, "algo.weighting", algo))
+              for name in algo.weighting.split("+") if name != "none"]
     if o.tis_cap:
         terms.append(TruncatedIS(o.tis_cap))
     if o.sft_coef > 0:

@@ -1,9 +1,12 @@
 """Per-action weights multiplying the per-action loss. Registry: WEIGHTINGS.
 
-`fn(rollout_minibatch, out: PolicyOutput) -> weights [n, A]` (or [A]); "none" returns 1.
+`fn(rollout_minibatch, out: PolicyOutput) -> weights [n, A]` (or [A]); "none" returns 1. A weighting with knobs
+(`fn.knobs`, a dataclass whose fields are algo.* keys) is called `fn(rollout, out, knobs)`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -42,14 +45,23 @@ def guard_dt(rollout, out):
 guard_dt.reads = ("sigma_next",)  # an SDE step's interval (the flow policy's transitions)
 
 
+@dataclass
+class TempFlowKnobs:
+    tempflow_constant: float | None  # algo.tempflow_constant: None = the schedule's mean std, else c in w_t = c std_t
+
+
 @WEIGHTINGS.register("tempflow")
-def tempflow(rollout, out):
-    """TempFlow-GRPO noise-aware weights (arXiv 2508.04324; docs/algorithms.md §4): w_t = std_t / mean_t'(std_t') with
-    std_t = s_t * sqrt(-dt_t) and the mean over the schedule's trainable steps (from the flow policy, so a
-    one-step window or a branch point is weighted too). The per-step gradient scale goes as 1 / std_t, so
-    unweighted GRPO is dominated by late low-noise steps. Flow policies."""
+def tempflow(rollout, out, knobs: TempFlowKnobs):
+    """TempFlow-GRPO noise-aware weights (arXiv 2508.04324; docs/algorithms.md §4), std_t = s_t * sqrt(-dt_t):
+    w_t = std_t / mean_t'(std_t') with the mean over the schedule's trainable steps (from the flow policy, so a
+    one-step window or a branch point is weighted too), or, with algo.tempflow_constant = c, the official code's
+    w_t = c * std_t (c = 2.25 for SD3 at 10 steps, 1.73 for FLUX: 1 / that mean at those schedules). The per-step
+    gradient scale goes as 1 / std_t, so unweighted GRPO is dominated by late low-noise steps. Flow policies."""
     std = out.stats["std"].float()                                                       # [n, A]
+    if knobs.tempflow_constant is not None:
+        return knobs.tempflow_constant * std
     return std / out.stats["schedule_std_mean"].to(std.device).clamp(min=1e-12)
 
 
 tempflow.reads = ("std", "schedule_std_mean")
+tempflow.knobs = TempFlowKnobs

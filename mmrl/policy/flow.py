@@ -32,11 +32,21 @@ from mmrl.models.flow_model import EXPERTS, FlowModel, expert_lockstep
 from mmrl.models.shard_load import copy_shards, init_adapters, load_into_shards
 from mmrl.policy.flow_checkpoint import (  # noqa: F401  (load_policy_checkpoint: the checkpoint loader's home is there)
     _link_base_parts, _load_transformer_weights, load_policy_checkpoint, save_diffusers_lora)
+from mmrl.rollout.step_branch import run_branches
 from mmrl.rollout.tree import run_tree, trained_steps
 from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std, strided_schedule, window_in
 from mmrl.seeds import derive_seed
 
 WEIGHTS_FILE = "trainable.safetensors"
+
+
+def whole_groups(rows: torch.Tensor, group_size: int) -> list[int]:
+    """The groups of `rows` [n], which must be whole groups (tree and branching rollouts sample a prompt at once)."""
+    groups = (rows[::group_size] // group_size).tolist()
+    if not torch.equal(rows, torch.tensor([g * group_size + j for g in groups for j in range(group_size)],
+                                          dtype=rows.dtype)):
+        raise ValueError("tree and per-step branching rollouts sample whole groups: rows must be whole groups")
+    return groups
 log = logging.getLogger(__name__)
 
 
@@ -89,11 +99,15 @@ class FlowPolicy(PolicyDefaults):
         _, stds = step_mean_std(sampler_cfg.kind, zeros, zeros, sig, self.sigmas[1:-1], sampler_cfg.noise_level,
                                 float(self.sigmas[1]))
         self.schedule_std_mean = float(stds.mean())
+        if objective == "forward" and sampler_cfg.branch_children:
+            raise ConfigError("sampler.branch_children branches SDE steps, the actions of transition objectives; a "
+                              "forward-process objective (awm, nft, dpo ...) trains noise levels: set branch_children=0")
         if objective == "transitions" and len(self.expert_steps()) < len(self.experts()):
             raise ConfigError(f"sampler.num_steps={sampler_cfg.num_steps} at shift {sampler_cfg.shift:g} puts no trainable "
                               f"step below sigma {model.boundary:g}, so transformer_2 would never train: use more steps "
                               f"or a lower shift (Wan2.2 T2V: 20 steps at shift 12 give each expert steps)")
         self._neg = None
+        self._sampled_rows = 0  # rollout_counts: transformer rows of sampling since it was last read
         self.micro_batch = micro_batch  # rows per forward without gradients (sampling, decoding); 0 = all
         self.text_cache = BoundedCache(text_cache, 2**30)  # (prompt, images) -> (enc [L, D], pooled [P])
         self.condition_images = getattr(model.family, "condition_images", 0)  # images per example (edits, I2V)
@@ -187,14 +201,30 @@ class FlowPolicy(PolicyDefaults):
         whatever its pass holds."""
         cfg = self.cfg.cfg_scale
         if cfg == 1.0:
-            return lambda x, s: in_chunks(lambda *a: self.model.velocity(*a), self.micro_batch if chunked else 0,
-                                          x, s, enc, pooled)
-        neg_enc, neg_pooled = self._negative(len(enc), images)
+            fn = lambda x, s: in_chunks(lambda *a: self.model.velocity(*a), self.micro_batch if chunked else 0,  # noqa: E731
+                                        x, s, enc, pooled)
+        else:
+            neg_enc, neg_pooled = self._negative(len(enc), images)
 
-        def one(x, s, e, p, ne, np_):
-            return self.model.velocity(x, s, e, p, cfg, (ne, np_))
+            def one(x, s, e, p, ne, np_):
+                return self.model.velocity(x, s, e, p, cfg, (ne, np_))
 
-        return lambda x, s: in_chunks(one, self.micro_batch if chunked else 0, x, s, enc, pooled, neg_enc, neg_pooled)
+            fn = lambda x, s: in_chunks(one, self.micro_batch if chunked else 0,  # noqa: E731
+                                        x, s, enc, pooled, neg_enc, neg_pooled)
+        if not chunked:
+            return fn
+
+        def counted(x, s):  # the sampling forwards' rows (CFG's two branches counted), for rollout_counts
+            self._sampled_rows += len(x) * (1 if cfg == 1.0 else 2)
+            return fn(x, s)
+
+        return counted
+
+    def rollout_counts(self) -> dict[str, list[int]]:
+        """{"transformer_rows": [rows this process ran through the transformer without gradients since the last
+        call: sampling, the forward-process actions' velocities; CFG's branches counted]}, logged per iteration."""
+        rows, self._sampled_rows = self._sampled_rows, 0
+        return {"transformer_rows": [rows]}
 
     @torch.no_grad()
     def sample(self, examples: list[dict], group_size: int, generator: torch.Generator,
@@ -207,19 +237,30 @@ class FlowPolicy(PolicyDefaults):
         rows = torch.arange(len(texts) * group_size) if rows is None else rows
         if "outputs" in examples[0]:  # offline data: the outputs are given (preference pairs)
             return self._given(examples, group_size, generator, rows)
+        if self.cfg.branch_children:  # TempFlow per-step branching: rows are whole prompts' children
+            final, extras, old_log_prob = self._sample_branches(texts, group_size, generator,
+                                                                whole_groups(rows, group_size), self.images(examples))
+        else:
+            final, extras, old_log_prob = self._sample_steps(texts, group_size, generator, rows, examples)
+        with self._onload(self.autoencoders):  # model.offload: the VAE visits the device to decode
+            images = decode_rows(self.model.decode, final, self.micro_batch)  # VAE: memory-bounded
+        return Rollout(group_id=group_ids(len(texts), group_size)[rows], old_log_prob=old_log_prob,
+                       action_mask=torch.ones(old_log_prob.shape, dtype=torch.bool),
+                       examples=[examples[i // group_size] for i in rows.tolist()], outputs=images, extras=extras)
+
+    def _sample_steps(self, texts, group_size, generator, rows, examples):
+        """(final latents [n, *D], extras, old log-probs [n, A]) of chains or trees: the trained steps of a window
+        shared by every row, or the noise levels of the final samples (forward-process objectives)."""
+        row_images = self.images([examples[i // group_size] for i in rows.tolist()])
         if self.tree.split_steps:  # rows are whole trees (several processes shard by groups)
-            trees = (rows[::group_size] // group_size).tolist()
-            if not torch.equal(rows, torch.tensor([t * group_size + j for t in trees for j in range(group_size)],
-                                                  dtype=rows.dtype)):
-                raise ValueError("tree rollouts sample whole trees: rows must be whole groups")
-            traj, steps, extra = self._sample_tree(texts, generator, trees, self.images(examples))
+            traj, steps, extra = self._sample_tree(texts, generator, whole_groups(rows, group_size),
+                                                   self.images(examples))
         else:
             traj, steps, extra = self._sample_chain(texts, group_size, generator, rows.tolist(), self.images(examples))
         n, w = len(rows), torch.tensor(steps)
         p = torch.tensor(extra.pop("pos", steps))                   # where the trained steps sit in the trajectory
         seeds = extra.pop("seeds", None)
         enc, pooled = extra.pop("enc"), extra.pop("pooled")
-        row_images = self.images([examples[i // group_size] for i in rows.tolist()])
         if self.objective == "forward":
             extras, old_log_prob = self._forward_actions(traj.latents[:, -1], enc, pooled, seeds, row_images)
         else:
@@ -236,11 +277,7 @@ class FlowPolicy(PolicyDefaults):
             }
             old_log_prob = traj.log_prob[:, p]
         extras.update(enc=enc, pooled=pooled)                            # [N, L, D], [N, P]
-        with self._onload(self.autoencoders):  # model.offload: the VAE visits the device to decode
-            images = decode_rows(self.model.decode, traj.latents[:, -1], self.micro_batch)  # VAE: memory-bounded
-        return Rollout(group_id=group_ids(len(texts), group_size)[rows], old_log_prob=old_log_prob,
-                       action_mask=torch.ones(old_log_prob.shape, dtype=torch.bool),
-                       examples=[examples[i // group_size] for i in rows.tolist()], outputs=images, extras=extras)
+        return traj.latents[:, -1], extras, old_log_prob
 
     def _given(self, examples: list[dict], group_size: int, generator: torch.Generator, rows: torch.Tensor) -> Rollout:
         """A rollout of outputs the data gives instead of samples: each example's `outputs` (G image paths, e.g. a
@@ -311,6 +348,35 @@ class FlowPolicy(PolicyDefaults):
                          ode_solver=self.cfg.ode_solver)
         return traj, window, {"enc": enc, "pooled": pooled, "pos": [pos[i] for i in window],
                               "seeds": [seeds[i] for i in rows]}
+
+    def _sample_branches(self, texts, group_size, generator, groups: list[int], images: list[list] | None = None):
+        """TempFlow-GRPO per-step branching (mmrl/rollout/step_branch.py) of prompts `groups` of the batch's
+        len(texts): one trunk per prompt from the prompt's seed, sampler.branch_children SDE children at each step
+        of the window, each child's noise from its own seed. Returns (final [n, *D], extras, old log-probs [n, 1])."""
+        k = self.cfg.branch_children
+        seeds = self._seeds(len(texts), generator)                     # one per prompt of the whole batch
+        steps = sorted(self._window(generator))
+        if len(steps) * k != group_size:
+            raise ConfigError(f"sampler.branch_children={k} at {len(steps)} branch steps give {len(steps) * k} rows per "
+                              f"prompt: set train.group_size={len(steps) * k} (got {group_size})")
+        texts, seeds = [texts[i] for i in groups], [seeds[i] for i in groups]
+        images = None if images is None else [images[i] for i in groups]
+        enc, pooled = self.encode(texts, images)                       # [B, L, D], [B, P]
+        gens = [torch.Generator(self.device).manual_seed(derive_seed(s, "step_noise", r))
+                for s in seeds for r in range(group_size)]             # one per child row
+
+        def velocity(x, s, prompt):  # x [M, C, H, W], s [M], prompt [M]: the prompt of each row
+            return self._velocity_fn(enc[prompt], pooled[prompt],
+                                     images=None if images is None else [images[i] for i in prompt.tolist()])(x, s)
+
+        br = run_branches(velocity, self.model.initial_noise(seeds, self.device), self.sigmas, steps, k,
+                          self.cfg.kind, self.cfg.noise_level, gens, self.cfg.logprob_reduce, self.progress)
+        j = br.step.unsqueeze(1)                                       # [n, 1] each child's one action
+        extras = {"latents": br.latents[:, None], "next_latents": br.next_latents[:, None],   # [n, 1, C, H, W]
+                  "old_mean": br.mean[:, None], "std": br.std[:, None],                       # [n, 1, C, H, W], [n, 1]
+                  "sigma": self.sigmas[j], "sigma_next": self.sigmas[j + 1], "step_index": j,  # [n, 1]
+                  "enc": enc.repeat_interleave(group_size, 0), "pooled": pooled.repeat_interleave(group_size, 0)}
+        return br.final, extras, br.log_prob[:, None]
 
     def _sample_tree(self, texts, generator, trees: list[int], images: list[list] | None = None):
         """Trees `trees` of the batch's len(texts): each tree's noise comes from its own seed (one generator per

@@ -55,6 +55,9 @@ FEATURES = {
     "micro": ["train.micro_batch=2"],                                     # transitions per training forward
     "tree": ["tree.split_steps=[1,2]", "tree.branch=2", "algo.loss_agg=token_mean"],  # BranchGRPO: 4 leaves
     "tree_pruned": ["tree.split_steps=[1,2]", "tree.branch=2", "tree.width_prune=1", "algo.loss_agg=token_mean"],
+    # TempFlow per-step branching: a trunk per prompt, 2 children at each of 2 window steps (4 rows a prompt)
+    "step_branch": ["sampler.branch_children=2", "sampler.sde_window_size=2", "sampler.sde_window_range=[0,2]",
+                    "algo.weighting=tempflow", "algo.tempflow_constant=2.25"],
     "dynamic": REFILL,                                                    # refill rounds of 1 group on 2 ranks
     # the same with reward overlap workers (a chunk of 1 group: one rank has none) and micro-batches
     "refill": [*REFILL, "reward.workers=1", "reward.overlap_chunks=2", "train.micro_batch=2"],
