@@ -188,7 +188,8 @@ def _flow_parts(cfg, arch: dict | None, rows: Rows, cp: int, needs_reference: bo
     grad_rows = cfg_rows if s.cfg_grad == "full" else 1  # cfg_grad=cond: the unconditional rows run without autograd
     trained = rows.total * trained_steps * t.inner_epochs
     idle = idle_expert_rows(cfg, model, rows, trained_steps, forward)
-    shapes = Shapes(transitions * grad_rows, rows.total * (sample_calls + (s.forward_timesteps if forward else 0)) * cfg_rows,
+    sampled = round(rows.total * (sample_calls + (s.forward_timesteps if forward else 0)) * cfg_rows)
+    shapes = Shapes(transitions * grad_rows, sampled,
                     trained * grad_rows + idle, trained * (cfg_rows - grad_rows))
     text, vae = frozen_parts(cfg, arch, family)
     latent_bytes = 4 * math.prod(inputs.latent_shape)  # the SDE math is fp32
@@ -199,7 +200,7 @@ def _flow_parts(cfg, arch: dict | None, rows: Rows, cp: int, needs_reference: bo
         out_bytes = 4 * math.prod(shape[1:])
     prompt_bytes = (inputs.text_tokens * inputs.enc_dim + inputs.pooled_dim) * dtype.itemsize
     stored = rows.rank * (3 * trained_steps * latent_bytes + prompt_bytes + out_bytes)
-    chain = rows.rank * (2 * sample_calls + 1) * latent_bytes
+    chain = round(rows.rank * (2 * sample_calls + 1)) * latent_bytes
     cache = min(cfg.model.text_cache * prompt_bytes, 2**30)  # BoundedCache(text_cache, 1 GiB) of embeddings
     passes = -(-rows.share * trained_steps // transitions) * t.grad_accum  # training forwards per optimizer step
     workload = functools.partial(

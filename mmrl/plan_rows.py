@@ -46,12 +46,17 @@ def rows_of(t, world: int) -> Rows:
     return Rows(total, rank, mean, share, most, sample_chunk(t) or rank, world)
 
 
-def flow_steps(s, forward: bool, experts: int = 1) -> tuple[int, int]:
-    """(trained actions per row, transformer calls of one sampled chain): SDE steps (a window in each expert's steps:
-    Wan2.2's two), or noise levels of the final sample (forward-process losses); MixGRPO-Flash's strided ODE calls,
-    the SDE windows at their first starts."""
+def flow_steps(s, forward: bool, experts: int = 1) -> tuple[int, float]:
+    """(trained actions per row, transformer calls per sampled row): a chain's SDE steps (a window in each expert's
+    steps: Wan2.2's two) or the noise levels of its final sample (forward-process losses), and its calls
+    (MixGRPO-Flash's strided ODE calls, the SDE windows at their first starts); TempFlow per-step branching
+    (sampler.branch_children): one action per child, and per child its share of the trunk plus its ODE finish."""
     last = s.num_steps - 1
     sde = min(experts * s.sde_window_size, last) if s.sde_window_size else last
+    if s.branch_children:
+        lo = min(s.sde_window_range[0], last - sde)  # the first start
+        steps = range(lo, lo + sde)
+        return 1, (steps[-1] + 1 + s.branch_children * sum(last - j for j in steps)) / (s.branch_children * sde)
     trained = s.forward_timesteps if forward else sde
     kinds = ["sde" if i < sde else "ode" for i in range(s.num_steps)]
     return trained, len(strided_schedule(torch.zeros(s.num_steps + 1), kinds, s.ode_stride)[1])

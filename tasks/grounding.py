@@ -118,6 +118,11 @@ GROUNDING_PROMPT = ('To accurately pinpoint the event "{query}" in the video, de
                     'and end times (in seconds) within the <answer> </answer> tags, e.g. <answer>12.5 to 17.0</answer>.')
 
 
+# the injected ground truth must earn the whole reward the prompt asks for: the format reward (rewards/grounding.py
+# format_ok) requires a <think> block before the answer, so the reference answer has an empty one
+GROUNDING_ANSWER = "<think></think><answer> {start:.2f} to {end:.2f} </answer>"
+
+
 class GroundingTask:
     """Video temporal grounding on a dataset in its distributed format (tasks/grounding_data.py).
 
@@ -142,7 +147,7 @@ class GroundingTask:
     def __init__(self, cfg, format: str = "charades_sta", annotations: str = "", video_dir: str = "",
                  durations: str | None = None, eval_annotations: str | None = None, eval_video_dir: str | None = None,
                  eval_durations: str | None = None, prompt: str = GROUNDING_PROMPT,
-                 answer: str = "<answer> {start:.2f} to {end:.2f} </answer>", on_error: str = "raise",
+                 answer: str = GROUNDING_ANSWER, on_error: str = "raise",
                  missing_video: str = "raise", text_first: bool = False, label_pool: int | None = None,
                  pool_seed: int = 0, label_noise: float = 0.0, noise_seed: int = 0,
                  difficulty_filter: str | None = None):

@@ -77,6 +77,18 @@ def test_grounding_reward_components():
         GroundingReward(hit_threshold=0.0)
 
 
+def test_the_injected_ground_truth_earns_the_whole_reward():
+    """TempSamp-R1 injects task.reference_output: with GroundingTask's default answer it must pass the format reward
+    the prompt asks for (it scored format 0, so a good on-policy answer out-scored the ground truth)."""
+    from tasks.grounding import GROUNDING_ANSWER, GroundingTask
+
+    ex = {"duration": 30.0, "windows": [[11.2, 25.0]]}
+    text = GroundingTask.reference_output(type("T", (), {"answer_template": GROUNDING_ANSWER})(), ex)
+    out = GroundingReward(format_weight=0.1)([text], [ex])
+    assert out["format"].item() == 1.0 and out["iou"].item() == pytest.approx(1.0, abs=1e-3)
+    assert out["overall"].item() == pytest.approx(1.1, abs=1e-3)
+
+
 def test_constant_baseline_is_fit_on_train_and_scored_on_eval():
     fit = [{"duration": 10.0, "windows": [[2.0, 6.0]]}] * 3
     res = constant_baseline(fit, [{"duration": 20.0, "windows": [[4.0, 12.0]]}])

@@ -159,3 +159,14 @@ def test_a_trainer_step_logs_its_sampling_rows(tiny_pixel_model, tmp_path):
     assert all(torch.isfinite(torch.tensor(v)) for v in m.values())
     per_start = {0: 2 * 2 + 4 * 3 + 4 * 2, 1: 2 * 3 + 4 * 2 + 4 * 1}  # trunk rows + children rows, window [j, j+1]
     assert m["rollout/transformer_rows_mean"] in {2 * r for r in per_start.values()}
+
+
+def test_the_plan_counts_a_branching_iteration_as_it_runs():
+    """flow_steps: one action per child; per child, its share of the trunk (steps 0 .. 3 of a prompt's 16 children)
+    and its ODE finish: the shapes recipe's 128 rows make the 992 transformer rows its rollout logs."""
+    from mmrl.plan_rows import flow_steps
+
+    cfg = load_config("configs/t2i/shapes_tempflow_branch.yaml", [])
+    trained, calls = flow_steps(cfg.sampler, forward=False)
+    assert trained == 1 and calls == pytest.approx((4 + 4 * (9 + 8 + 7 + 6)) / 16)
+    assert cfg.train.prompts_per_iter * cfg.train.group_size * calls == pytest.approx(992)

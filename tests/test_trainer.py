@@ -113,16 +113,17 @@ def test_micro_batches_give_the_whole_minibatch_gradient(tiny_pixel_model, tmp_p
     assert len(list(micro_batches(ro.action_mask, torch.arange(len(ro)), 4, True))) == -(-actions // 4)
 
 
-@pytest.mark.parametrize("config", ["shapes_grpo", "shapes_tempflow_guard", "shapes_branchgrpo",
+@pytest.mark.parametrize("config", ["shapes_grpo", "shapes_tempflow_guard", "shapes_tempflow_branch", "shapes_branchgrpo",
                                     "shapes_branchgrpo_pruned", "shapes_overopt", "shapes_overopt_guard"])
 def test_shapes_configs_smoke(config, tiny_pixel_model, tmp_path):
-    """Every shapes config (the TempFlow + Guard composition, BranchGRPO trees, the proxy-reward runs) runs 2
-    iterations as written, on a tiny model with small batches (trees keep their 8 leaves)."""
-    tree = "branchgrpo" in config
+    """Every shapes config (the TempFlow + Guard composition, TempFlow's per-step branching, BranchGRPO trees, the
+    proxy-reward runs) runs 2 iterations as written, on a tiny model with small batches (trees keep their 8 leaves,
+    branching its 16 children per prompt)."""
+    tree, branch = "branchgrpo" in config, "tempflow_branch" in config
     cfg = load_config(f"configs/t2i/{config}.yaml", [
         f"model.path={tiny_pixel_model}", f"log.out_dir={tmp_path}", "log.tensorboard=false", "log.progress=false",
         "train.iterations=2", "train.time_budget_min=0", "train.prompts_per_iter=2", "task.eval_prompts=6",
-        f"train.group_size={8 if tree else 3}"])
+        f"train.group_size={8 if tree else 16 if branch else 3}"])
     res = Trainer(cfg).fit()
     assert res["iterations"] == 2 and 0.0 <= res["eval_end"]["strict"] <= 1.0  # overall: a proxy may exceed 1
 
