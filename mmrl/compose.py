@@ -21,11 +21,12 @@ from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS
                              RATIO_TRANSFORMS, REWARD_AGGREGATIONS, REWARD_SHAPINGS, WEIGHTINGS)
 from mmrl.algorithms.objective import build_objective
 from mmrl.algorithms.shaping import build_shaping
-from mmrl.config import Config, TaskConfig, policy_kind
+from mmrl.config import Config, TaskConfig
 from mmrl.config_files import load_config as parse_config
 from mmrl.devices import resolve_device, set_tf32
 from mmrl.errors import ConfigError
-from mmrl.policy import POLICIES, PROVIDES
+from mmrl.policy import POLICIES
+from mmrl.policy.kinds import KINDS, kind_keys, kind_of
 from mmrl.registry import Registry
 from mmrl.reward import REWARDS, FunctionReward, plain_function_args, weight_schedule
 from mmrl.rollout.engine import ENGINES
@@ -70,6 +71,7 @@ def credit_name(cfg: Config) -> str:
 def check_choices(cfg: Config) -> Config:
     """Every registry name and enumerated choice of `cfg`, resolved once; ValueError naming the key and the fix."""
     POLICIES.check(cfg.model.policy, "model.policy")
+    _check_kind(cfg, kind_of(cfg.model.policy))
     if cfg.model.family:
         from mmrl.models.families import FAMILIES
 
@@ -106,10 +108,42 @@ def check_choices(cfg: Config) -> Config:
     return cfg
 
 
+def _check_kind(cfg: Config, kind) -> None:
+    """The config against its policy kind's declaration (mmrl/policy/kinds.py), the errors written from it; a user's
+    own policy (kind None) reads what it reads. Resolves algo.adv_std=auto to the kind's std, so the run's saved
+    config names the std it used."""
+    t, a = cfg.train, cfg.algo
+    if a.adv_std == "auto":
+        a.adv_std = kind.adv_std if kind is not None else "population"
+    if kind is None:
+        return
+    others = {k.name: k for k in KINDS.values() if k is not kind}
+    for section, readers in kind_keys().items():
+        default = type(getattr(cfg, section))()
+        for key, names in readers.items():
+            if kind.name not in names and getattr(getattr(cfg, section), key) != getattr(default, key):
+                reads = ", ".join(f"{section}.{k}" for k in kind.reads.get(section, ())) or "none"
+                raise ConfigError(f"{section}.{key} does not apply to model.policy={kind.name}: remove it (it is read "
+                                  f"by {' and '.join(n for n in names if n in others)} policies only; {kind.name} "
+                                  f"reads of {section}: {reads})")
+    steps = "a flow transformer's denoising steps (model.policy=flow)"
+    if t.context_parallel > 1 and not kind.denoises:
+        raise ConfigError(f"train.context_parallel splits the video tokens of {steps}: set train.context_parallel=1")
+    if cfg.tree.split_steps and not kind.denoises:
+        raise ConfigError(f"tree.split_steps (BranchGRPO) branches {steps}: remove tree.split_steps")
+    if t.micro_batch and a.ratio == "gspo" and kind.denoises:
+        raise ConfigError(f"algo.ratio=gspo averages a sample's actions, which train.micro_batch splits for "
+                          f"model.policy={kind.name}: set train.micro_batch=0 or algo.ratio=none")
+    if a.objective.tis_cap and not kind.decodes:
+        raise ConfigError(f"algo.objective.tis_cap corrects a token engine's sampling log-probs; model.policy="
+                          f"{kind.name}'s old log-probs are its sampler's own, so there is nothing to correct: set "
+                          f"algo.objective.tis_cap=0")
+
+
 def _provided(cfg: Config) -> tuple[str, ...] | None:
-    """What the policy reports for the objective's actions (mmrl.policy.PROVIDES); None for a user's own policy."""
-    provides = PROVIDES.get(cfg.model.policy)
-    return None if provides is None else provides.get(build_objective(cfg.algo).actions, ())
+    """What the policy reports for the objective's actions (its kind's `provides`); None for a user's own policy."""
+    kind = kind_of(cfg.model.policy)
+    return None if kind is None else kind.provides.get(build_objective(cfg.algo).actions, ())
 
 
 def _auto_kl(cfg: Config) -> str:
@@ -124,7 +158,7 @@ def _auto_kl(cfg: Config) -> str:
 
 def _check_reads(cfg: Config) -> None:
     """Each component that reads policy statistics (KL estimator, weightings, ratio transform: `fn.reads`) against
-    what the policy provides for the objective's actions (mmrl.policy.PROVIDES): a missing one would fail as a
+    what the policy provides for the objective's actions (its kind's `provides`): a missing one would fail as a
     KeyError in the first training pass, after the model has loaded."""
     provided = _provided(cfg)
     if provided is None:
@@ -150,12 +184,14 @@ def _check_objective(cfg: Config) -> None:
     loss = POLICY_LOSSES[name]
     if obj.actions != "forward":
         _choice("sampler.kind", s.kind, SDE_KINDS)
-        if getattr(loss, "flow_steps_only", False) and (policy_kind(cfg.model.policy) != "flow" or a.ratio != "none"):
+        kind = kind_of(cfg.model.policy)
+        if getattr(loss, "flow_steps_only", False) and (not (kind and kind.denoises) or a.ratio != "none"):
             raise ConfigError(f"algo.objective.name={name} bounds the exact KL of flow SDE steps: use a flow policy "
                               f"and algo.ratio=none (its trust region replaces ratio transforms)")
         return
     _choice("sampler.kind", s.kind, SDE_KINDS + ("ode",))
-    if getattr(loss, "guidance", None) == "none" and policy_kind(cfg.model.policy) == "flow" and s.cfg_scale != 1.0:
+    kind = kind_of(cfg.model.policy)
+    if getattr(loss, "guidance", None) == "none" and kind is not None and kind.denoises and s.cfg_scale != 1.0:
         if "cfg_scale" in getattr(cfg, "_given", {}).get("sampler", ()):  # chosen: refused; the default: resolved
             raise ConfigError(f"algo.objective.name={name} trains the model's own velocity without classifier-free "
                               f"guidance, and samples from it: set sampler.cfg_scale=1 (sampler.eval_cfg_scale="
@@ -163,7 +199,7 @@ def _check_objective(cfg: Config) -> None:
                               f"{s.cfg_scale:g}")
         s.cfg_scale = 1.0  # the default scale, never chosen: resolved by the loss's declaration (as algo.kl=auto)
     fix = f"algo.objective.name={name} trains on the forward process of final samples"
-    if policy_kind(cfg.model.policy) == "token":
+    if kind is not None and "forward" not in kind.provides:
         raise ConfigError(f"{fix}, which flow policies record: set model.policy=flow or another algo.objective.name")
     if cfg.tree.split_steps:
         raise ConfigError(f"{fix}, not on tree transitions: remove tree.split_steps")

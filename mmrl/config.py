@@ -186,7 +186,7 @@ class AlgoConfig:
     advantage: str = "grpo"       # ADVANTAGES key
     global_std: bool = False      # normalize by the batch std instead of the group std
     adv_std: str = "auto"         # the group std: population (ddof 0; flow_grpo) | sample (ddof 1; verl, TRL); auto =
-                                  # population for flow policies, sample for token ones (resolved at load, validate)
+                                  # the policy kind's (mmrl/policy/kinds.py: flow population, token sample), resolved at load
     adv_eps: float | None = None  # added to the std; None = the chosen std's reference: population 1e-4, sample 1e-6
     adv_clip: float = 5.0         # |A| <= 5 (Flow-GRPO); also DiffusionNFT's normalization of A (objective nft)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # the policy loss {name, kwargs} and terms
@@ -316,7 +316,6 @@ class Config:
         if self.video.prefetch_workers < 0:
             raise ConfigError(f"video.prefetch_workers must be >= 0 (0 = no background decoding), got "
                               f"{self.video.prefetch_workers}")
-        self._check_policy_keys()
         _choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
         _choice("model.reference", self.model.reference, ("auto", "none"))
         self._validate_train()
@@ -362,9 +361,6 @@ class Config:
         _choice("train.cp_kind", t.cp_kind, ("ulysses", "ring"))
         if t.context_parallel < 1:
             raise ConfigError(f"train.context_parallel must be >= 1 (1 = off), got {t.context_parallel}")
-        if t.context_parallel > 1 and policy_kind(self.model.policy) != "flow":
-            raise ConfigError("train.context_parallel splits a flow transformer's video tokens; token policies: set "
-                              "train.context_parallel=1")
         if t.compile and t.context_parallel > 1:
             raise ConfigError("train.compile with train.context_parallel > 1: the compiled blocks would trace context "
                               "parallelism's sequence-splitting hooks, which is untested; set train.compile=false")
@@ -389,9 +385,6 @@ class Config:
             raise ConfigError(f"train.micro_batch must be >= 0 (0 = no split) or auto, got {t.micro_batch!r}")
         if t.sample_chunk < -1:
             raise ConfigError(f"train.sample_chunk must be >= 0, or -1 for train.micro_batch; got {t.sample_chunk}")
-        if t.micro_batch and self.algo.ratio == "gspo" and policy_kind(self.model.policy) == "flow":
-            raise ConfigError("algo.ratio=gspo averages a sample's actions, which train.micro_batch splits for flow "
-                              "policies: set train.micro_batch=0 or algo.ratio=none")
         if not 0 <= t.ema_decay < 1:
             raise ConfigError(f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
         if t.sampling_ema and (len(t.sampling_ema) != 2 or t.sampling_ema[0] < 0 or not 0 <= t.sampling_ema[1] < 1):
@@ -400,8 +393,6 @@ class Config:
 
     def _validate_algo(self) -> None:
         _choice("algo.adv_std", self.algo.adv_std, ("auto", "population", "sample"))
-        if self.algo.adv_std == "auto":  # resolved once here, so the run's saved config names the std it used
-            self.algo.adv_std = "sample" if policy_kind(self.model.policy) == "token" else "population"
         if self.algo.clip_ratio_c and self.algo.clip_ratio_c <= 1:
             raise ConfigError(f"algo.clip_ratio_c must be > 1 (dual-clip bound on -A r for A < 0; verl uses 3) or 0 "
                               f"(off), got {self.algo.clip_ratio_c}")
@@ -455,36 +446,11 @@ class Config:
                               f"set algo.credit=auto (step_branch), got {self.algo.credit!r}")
 
 
-    # keys that only one kind of policy reads: set for the other, they would be ignored silently
-    FLOW_ONLY = {"sampler": ("kind", "num_steps", "noise_level", "cfg_scale", "shift", "sde_window_size",
-                             "sde_window_range", "logprob_reduce", "shared_noise", "eval_steps", "eval_cfg_scale", "cfg_grad",
-                             "window_schedule", "window_shift_every", "ode_solver", "ode_stride", "forward_timesteps",
-                             "forward_t_range", "branch_children"),
-                 "model": ("sample_size", "num_frames", "guidance", "text_cache", "offload", "text_max_length")}
-    TOKEN_ONLY = {"sampler": ("temperature", "top_p", "max_new_tokens", "engine", "vllm"),
-                  "model": ("shared_prefix", "freeze_vision")}
-
-    def _check_policy_keys(self) -> None:
-        """Reject keys the chosen policy never reads (changed from their defaults), naming the fix."""
-        kind = policy_kind(self.model.policy)
-        if kind is None:  # a user's own policy: it reads what it reads
-            return
-        other = self.TOKEN_ONLY if kind == "flow" else self.FLOW_ONLY
-        for section, keys in other.items():
-            default = type(getattr(self, section))()
-            for k in keys:
-                if getattr(getattr(self, section), k) != getattr(default, k):
-                    raise ConfigError(f"{section}.{k} does not apply to model.policy={self.model.policy}: remove it "
-                                      f"(it is read by {'token' if kind == 'flow' else 'flow'} policies only)")
-
     def _validate_objective_terms(self) -> None:
         """algo.objective's terms against the rest (the loss's own knobs are checked by its dataclass at load)."""
         o, key = self.algo.objective, "algo.objective"
         if o.tis_cap < 0 or 0 < o.tis_cap < 1:
             raise ConfigError(f"{key}.tis_cap must be 0 (off) or >= 1 (a cap on pi_old / pi_engine), got {o.tis_cap}")
-        if o.tis_cap and policy_kind(self.model.policy) == "flow":
-            raise ConfigError(f"{key}.tis_cap corrects a token engine's sampling log-probs; a flow policy's old "
-                              f"log-probs are its sampler's own, so there is nothing to correct: set {key}.tis_cap=0")
         if o.tis_cap and self.sampler.engine == "hf":
             raise ConfigError(f"{key}.tis_cap needs the sampling engine's log-probs, which sampler.engine=hf does not "
                               f"record: use sampler.engine=prefix_cache or vllm, or set {key}.tis_cap=0")
@@ -499,8 +465,6 @@ class Config:
         _choice("tree.width_prune", tr.width_prune, (0, 1, 2))
         if not tr.split_steps:
             return
-        if policy_kind(self.model.policy) != "flow":
-            raise ConfigError("tree.split_steps (BranchGRPO) needs model.policy=flow")
         leaves = tr.branch ** len(tr.split_steps)
         if tr.branch < 2 or self.train.group_size != leaves:
             raise ConfigError(f"tree rollouts give branch ** len(split_steps) = {leaves} leaves per prompt: set "
@@ -542,11 +506,6 @@ class Config:
             raise ConfigError(f"tree.split_rounds={tr.split_rounds} means split_steps={steps}, but tree.split_steps="
                               f"{tr.split_steps}: set one of them")
         tr.split_steps = steps
-
-
-def policy_kind(name: str) -> str | None:
-    """"flow" | "token" for the built-in policies (model.policy), None for a user's own (package.module:Name)."""
-    return {"flow": "flow", "token": "token"}.get(name)
 
 
 def _choice(key: str, value: Any, valid: tuple) -> None:

@@ -48,9 +48,9 @@ def launched() -> bool:
 def check_parallel_config(cfg, world: int, folder: bool = True) -> None:
     """Refuse, before any weight loads, what `world` processes cannot run, naming the key and the fix (also run
     by `mmrl validate CONFIG --nproc N`). folder: also read model.path's configs (context parallelism)."""
-    from mmrl.config import policy_kind
+    from mmrl.policy.kinds import kind_of
 
-    t, kind = cfg.train, policy_kind(cfg.model.policy)
+    t, kind = cfg.train, kind_of(cfg.model.policy)
     cp = t.context_parallel
     if cp > 1:
         from mmrl.context_parallel import check_cp, check_model_folder
@@ -80,9 +80,9 @@ def check_parallel_config(cfg, world: int, folder: bool = True) -> None:
         raise ConfigError(f"train.prompts_per_iter={t.prompts_per_iter} groups for {world // cp} data-parallel ranks "
                           f"({world} processes / train.context_parallel={cp}): ranks shard whole groups, so every rank "
                           f"needs one. Set train.prompts_per_iter >= {world // cp}")
-    if kind != "flow" and t.parallel in SHARDED and cfg.sampler.engine != "prefix_cache":
-        raise ConfigError(f"train.parallel={t.parallel} for token policies needs sampler.engine=prefix_cache (its "
-                          f"decoding runs in lockstep across ranks, which FSDP's all-gathers need)")
+    if kind is not None and kind.decodes and t.parallel in SHARDED and cfg.sampler.engine != "prefix_cache":
+        raise ConfigError(f"train.parallel={t.parallel} for model.policy={kind.name} needs sampler.engine=prefix_cache "
+                          f"(its decoding runs in lockstep across ranks, which FSDP's all-gathers need)")
 
 
 class Distributed:

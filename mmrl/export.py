@@ -15,6 +15,7 @@ import shutil
 
 from mmrl.checkpoint import policy_folder, share
 from mmrl.errors import MissingFile, TargetExists
+from mmrl.policy.kinds import kind_of
 
 
 def export(checkpoint: str, out: str) -> str:
@@ -31,7 +32,8 @@ def export(checkpoint: str, out: str) -> str:
     meta = json.load(open(meta_file))
     tmp = out.rstrip("/") + ".tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)
-    (_export_flow if meta["policy"] == "flow" else _export_token)(checkpoint, meta, tmp)
+    kind = kind_of(meta["policy"])  # a user's own policy: a transformers model folder
+    (_export_flow if kind is not None and kind.exports == "diffusers" else _export_token)(checkpoint, meta, tmp)
     share(tmp)  # safetensors writes owner-only files: the umask's permissions, so teammates can load the export
     os.replace(tmp, out)
     return out

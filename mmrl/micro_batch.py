@@ -41,11 +41,12 @@ def fit_micro_batch(cfg, budget_gib: float, arch: str | None = None, world: int 
     and the training peak, "whole": the rows of the rank's planned share of a minibatch}. Raises ConfigError for a
     token policy, or when a forward of one row does not fit `budget_gib`."""
     from mmrl.algorithms.objective import build_objective
-    from mmrl.config import policy_kind
     from mmrl.plan import plan
     from mmrl.plan_rows import flow_steps, rows_of
+    from mmrl.policy.kinds import kind_of
 
-    if policy_kind(cfg.model.policy) != "flow":
+    kind = kind_of(cfg.model.policy)
+    if kind is None or not kind.denoises:
         raise ConfigError(f"train.micro_batch=auto sizes flow policies; model.policy={cfg.model.policy}'s memory follows "
                           f"its prompts' lengths (video and image tokens): set a count (mmrl plan --prompt-tokens N "
                           f"train.micro_batch=K shows the peak)")

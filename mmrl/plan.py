@@ -64,7 +64,8 @@ from typing import Callable
 import torch
 
 from mmrl.algorithms.objective import build_objective
-from mmrl.config import SHARDED, policy_kind
+from mmrl.config import SHARDED
+from mmrl.policy.kinds import kind_of
 from mmrl.devices import torch_dtype
 from mmrl.distributed import check_parallel_config
 from mmrl.shards import transformer_blocks
@@ -78,15 +79,14 @@ from mmrl.policy.base import reference_kind
 
 log = logging.getLogger(__name__)
 GiB = 2**30
-PROMPT_TOKENS = {"token": 512, "janus": 48}  # default prompt lengths (token: with media tokens; janus: GenEval's)
 NAMES = {"text": "text encoders", "vae": "VAE", "chain": "the sampling chain"}  # what each frozen slot holds
 JANUS_NAMES = {"text": "understanding path", "vae": "VQ model", "chain": "generation KV cache"}
 PLAN_NODE_GPUS = 8  # GPUs per node for train.parallel=hsdp with train.shard_size=0 (a launched run reads its node's)
 
 
-def _kind(cfg) -> str | None:
-    """flow | token | janus: the policies mmrl plan knows (None: a user's own)."""
-    return policy_kind(cfg.model.policy) or ("janus" if cfg.model.policy == "janus" else None)
+def _kind(cfg):
+    """The declaration of the config's policy kind (mmrl/policy/kinds.py); None for a user's own policy."""
+    return kind_of(cfg.model.policy)
 
 
 
@@ -101,7 +101,7 @@ def _check_layout(cfg, world: int, cp: int, folder: bool) -> None:
     if world * cp > 1 and cfg.train.parallel == "none":
         raise ConfigError(f"train.parallel=none on {world * cp} GPUs: every process would train alone. Set "
                           f"train.parallel=ddp (replicated weights) or fsdp (sharded weights; hsdp: within a node)")
-    if cp > 1 and _kind(cfg) != "flow":
+    if cp > 1 and not getattr(_kind(cfg), "denoises", False):
         raise ConfigError("--cp splits a flow transformer's video tokens (mmrl/context_parallel.py); token policies: --cp 1")
     check_parallel_config(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, context_parallel=cp)),
                           world * cp, folder=folder)
@@ -157,7 +157,7 @@ def _architecture(cfg, arch_name: str | None) -> dict | None:
     if arch_name not in all_architectures():
         raise ConfigError(f"unknown architecture {arch_name!r}; known: {sorted(all_architectures())}")
     arch = all_architectures()[arch_name]
-    if arch["policy"] != _kind(cfg):
+    if arch["policy"] != cfg.model.policy:
         raise ConfigError(f"--arch {arch_name} is a {arch['policy']} model but the config has "
                           f"model.policy={cfg.model.policy}")
     return arch
@@ -293,8 +293,7 @@ def _state(cfg, model: torch.nn.Module, shard: int) -> dict[str, float]:
     frozen = experts * sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     ref = n_params * torch_dtype(cfg.model.dtype).itemsize \
         if (reference_kind(cfg) == "auto" and not cfg.model.lora.enabled) else 0
-    if (policy_kind(cfg.model.policy) == "flow" and not cfg.model.offload) or _kind(cfg) == "janus":  # parallelize
-        # shards it (FlowPolicy, JanusPolicy)
+    if _kind(cfg).shards_reference and not cfg.model.offload:  # parallelize shards it (FlowPolicy, JanusPolicy)
         ref /= shard
     return {"weights_frozen": frozen / shard, "weights_trained_fp32": 4 * trainable / shard,
             "gradients_fp32": 4 * trainable / shard, "adamw_state_fp32": 8 * trainable / shard,
@@ -409,11 +408,11 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int | None = None, wo
         raise ConfigError(f"mmrl plan knows the built-in policies (flow, token, janus), not "
                           f"model.policy={cfg.model.policy}")
     rows, needs_reference = rows_of(cfg.train, world), build_objective(cfg.algo).needs_reference
-    if kind == "flow":
+    if kind.denoises:
         parts = _flow_parts(cfg, arch, rows, cp, needs_reference)
-    else:
-        build = _token_parts if kind == "token" else _janus_parts
-        parts = build(cfg, arch, rows, prompt_tokens or PROMPT_TOKENS[kind], needs_reference)
+    else:  # the token policies' parts (the language model, or Janus's generation path), by the kind's builder
+        build = {"token": _token_parts, "janus": _janus_parts}[kind.name]
+        parts = build(cfg, arch, rows, prompt_tokens or kind.plan_prompt_tokens, needs_reference)
     out = {"model": arch_name or cfg.model.path, **_by_hand(cfg, parts, rows, world, cp)}
     return _measured(cfg, parts, out, device) if measured else out
 

@@ -30,7 +30,8 @@ import json
 import os
 
 from mmrl import compose
-from mmrl.config import Config, policy_kind
+from mmrl.config import Config
+from mmrl.policy.kinds import kind_of
 from mmrl.distributed import check_parallel_config
 from mmrl.errors import ConfigError, MissingFile, UserError
 from mmrl.metrics import check_report_to
@@ -65,7 +66,7 @@ def check(cfg: Config, nproc: int = 1, config_path: str | None = None,
     policy_check = getattr(compose.POLICIES[cfg.model.policy], "check_config", None)
     if policy_check is not None:
         run(policy_check, cfg)
-    if policy_kind(cfg.model.policy) is not None or policy_check is not None:
+    if kind_of(cfg.model.policy) is not None or policy_check is not None:
         run(_check_model, cfg, config_path)
     files_ok = run(_check_path, "task.prompt_file", cfg.task.prompt_file, config_path, True) \
         if cfg.task.prompt_file else True
@@ -129,8 +130,8 @@ def _check_model(cfg: Config, config_path: str | None) -> None:
     if os.path.isfile(os.path.join(path, "mmrl_policy.json")):
         raise ConfigError(f"model.path={path!r} is an mmrl policy checkpoint; set model.path to a base model folder "
                           f"(export the checkpoint with `mmrl export` to train on from it)")
-    want = "model_index.json (a diffusers pipeline)" if policy_kind(cfg.model.policy) == "flow" else \
-        "config.json (a transformers model)"
+    kind = kind_of(cfg.model.policy)
+    want = kind.model_folder if kind is not None else "config.json (a transformers model)"
     raise MissingFile(f"model.path={path!r} has no {want}: point it at the model's folder")
 
 

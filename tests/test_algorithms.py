@@ -86,7 +86,7 @@ def test_adv_std_population_vs_sample_hand_computed():
 def test_adv_std_auto_follows_the_policy():
     """auto -> population (+1e-4) for flow recipes, sample (+1e-6) for token ones, resolved once at load."""
     from mmrl.algorithms.advantages import std_kind
-    from mmrl.config_files import load_config
+    from mmrl.compose import load_config  # the policy kind's std is resolved where the config meets its kind
     flow, token = load_config(None, []), load_config(None, ["model.policy=token"])
     assert (flow.algo.adv_std, std_kind(flow.algo)) == ("population", (0, 1e-4))
     assert (token.algo.adv_std, std_kind(token.algo)) == ("sample", (1, 1e-6))

@@ -140,6 +140,7 @@ def test_an_older_runs_saved_config_is_translated_with_a_warning(tmp_path, caplo
 
     old = to_dict(Config().validate())
     algo = old["algo"]
+    algo["adv_std"] = "population"  # a run saves its config as loaded, algo.adv_std=auto resolved
     del algo["shaping"]
     algo["objective"] = {"name": None, "kwargs": {"clip_range": 0.01}}  # the old sub-config could override a knob
     algo.update(policy_loss="awm_anchored", nft_beta=2.0, dpo_beta=2000.0, dgpo_beta=100.0, dppo_kl_threshold=1e-5,

@@ -13,7 +13,7 @@ PACKAGES = ("mmrl", "rewards", "tasks")
 # "x.*" is the package x and everything under it.
 LAYERS = [
     # 0 leaves: import nothing from mmrl (config_files: only the config; any: the user errors, preemption)
-    ["mmrl", "mmrl.shards", "mmrl.errors", "mmrl.devices", "mmrl.preemption", "mmrl.seeds", "mmrl.train_stats", "mmrl.registry", "mmrl.config", "mmrl.config_files", "mmrl.cache", "mmrl.data",
+    ["mmrl", "mmrl.policy.kinds", "mmrl.shards", "mmrl.errors", "mmrl.devices", "mmrl.preemption", "mmrl.seeds", "mmrl.train_stats", "mmrl.registry", "mmrl.config", "mmrl.config_files", "mmrl.cache", "mmrl.data",
      "mmrl.metrics", "mmrl.optim", "mmrl.testing",
      "mmrl.testing.fake_device", "mmrl.testing.family", "mmrl.testing.janus", "mmrl.models", "mmrl.models.architectures", "mmrl.models.pixel_t2i",
      "mmrl.models.qwen_vl", "mmrl.sampling.*", "mmrl.rollout", "mmrl.rollout.engine",
@@ -22,7 +22,7 @@ LAYERS = [
     ["mmrl.video", "mmrl.algorithms.*", "mmrl.models.flow_model", "mmrl.models.pipelines", "mmrl.models.shard_load", "mmrl.models.decode_batch", "mmrl.models.families.*",
      "mmrl.models.tiny_pipelines", "mmrl.rollout.vllm_engine",
      "mmrl.rollout.contrast",
-     "mmrl.rollout.tree"],
+     "mmrl.rollout.tree", "mmrl.rollout.step_branch"],
     # 2 the interfaces and their registries
     ["mmrl.policy.*", "mmrl.reward", "mmrl.task", "mmrl.rollout.pairwise", "mmrl.distributed", "mmrl.compiled", "mmrl.evaluation", "mmrl.report",
      "mmrl.rollout.collect"],

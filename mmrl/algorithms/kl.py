@@ -1,9 +1,9 @@
 """KL-to-reference estimators (docs/algorithms.md §2). Registry: KL_ESTIMATORS.
 
 `fn(cur: PolicyOutput, ref: PolicyOutput) -> kl [n, A]`. An estimator that reads policy statistics declares them
-(`fn.reads`: names in PolicyOutput.stats); the config is checked against what the policy provides
-(mmrl.policy.PROVIDES) at load, and a training pass builds only what the run's components read (one that declares
-nothing gets every statistic). The log-prob estimators read none.
+(`fn.reads`: names in PolicyOutput.stats); the config is checked against what the policy provides (its kind's
+`provides`, mmrl/policy/kinds.py) at load, and a training pass builds only what the run's components read (one that
+declares nothing gets every statistic). The log-prob estimators read none.
 """
 
 from __future__ import annotations

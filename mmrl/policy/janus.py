@@ -346,22 +346,11 @@ class JanusPolicy(PolicyDefaults):
 
 
 # ------------------------------------------------------------------------------------------------ building
-# keys of the other policies that Janus does not read (its A is the model's, its sampler is Janus's own CFG loop)
-READS = {"sampler": ("cfg_scale", "eval_cfg_scale", "cfg_grad", "temperature")}
-
-
 def check_janus_config(cfg) -> None:
-    """What model.policy=janus cannot honour, naming the fix (the config knows the built-in flow / token keys only)."""
+    """What model.policy=janus cannot honour, naming the fix (the keys it reads: its kind's declaration,
+    mmrl/policy/kinds.py, checked at load)."""
     from mmrl.algorithms.objective import build_objective
-    from mmrl.config import Config
 
-    for section in ("sampler", "model"):
-        default = type(getattr(cfg, section))()
-        for key in Config.FLOW_ONLY[section] + Config.TOKEN_ONLY[section]:
-            if key not in READS.get(section, ()) and getattr(getattr(cfg, section), key) != getattr(default, key):
-                raise ConfigError(f"{section}.{key} does not apply to model.policy=janus: remove it (Janus reads "
-                                  f"sampler.{', sampler.'.join(READS['sampler'])}; an image has the model's token "
-                                  f"count)")
     s = cfg.sampler
     if s.temperature <= 0:
         raise ConfigError(f"sampler.temperature={s.temperature}: Janus samples its image tokens (greedy decoding "
