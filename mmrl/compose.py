@@ -21,8 +21,8 @@ from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS
                              RATIO_TRANSFORMS, REWARD_AGGREGATIONS, REWARD_SHAPINGS, WEIGHTINGS)
 from mmrl.algorithms.objective import build_objective
 from mmrl.algorithms.shaping import build_shaping
-from mmrl.config import Config, TaskConfig
-from mmrl.config_files import load_config as parse_config
+from mmrl.config import Config, TaskConfig, choice as _choice
+from mmrl.config_files import parse_config
 from mmrl.devices import resolve_device, set_tf32
 from mmrl.errors import ConfigError
 from mmrl.policy import POLICIES
@@ -39,7 +39,7 @@ NESTED = {"reward": REWARDS, "judge": JUDGES}  # factory parameters that receive
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Parse and check a config (mmrl.config_files.load_config), then check every registry name it uses."""
+    """Parse and check a config (mmrl.config_files.parse_config), then check every registry name it uses."""
     return check_choices(parse_config(path, overrides))
 
 
@@ -97,7 +97,7 @@ def check_choices(cfg: Config) -> Config:
                           "transition: set algo.credit=auto (or tree)")
     _check_objective(cfg)
     _check_reads(cfg)
-    _choice("sampler.engine", cfg.sampler.engine, ENGINES)
+    ENGINES.check(cfg.sampler.engine, "sampler.engine")  # a registered engine, or a user's own by import path
     _choice("tree.fusion", cfg.tree.fusion, FUSIONS)
     if cfg.tree.split_steps:
         split_schedule(cfg.sampler.num_steps, cfg.tree.split_steps)
@@ -219,11 +219,6 @@ def _check_objective(cfg: Config) -> None:
     if s.kind == "ode" and s.shared_noise:
         raise ConfigError("sampler.kind=ode with sampler.shared_noise: every sample of a group would be the same image "
                           "(zero advantages); set sampler.shared_noise=false")
-
-
-def _choice(key: str, value, valid: tuple) -> None:
-    if value not in valid:
-        raise ConfigError(f"{key}: invalid value {value!r}; valid: {list(valid)}")
 
 
 # ------------------------------------------------------------------------------------------------- building

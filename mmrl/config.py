@@ -508,9 +508,28 @@ class Config:
         tr.split_steps = steps
 
 
-def _choice(key: str, value: Any, valid: tuple) -> None:
+def choice(key: str, value: Any, valid: tuple) -> None:
+    """ConfigError naming `key`, the closest valid value and all of them, unless value is one of `valid`."""
     if value not in valid:
-        raise ConfigError(f"{key}: invalid value {value!r}; valid: {list(valid)}")
+        import difflib
+
+        close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{key}: invalid value {value!r}; valid: {list(valid)}{hint}")
+
+
+_choice = choice
+
+
+def flat(d: dict, prefix: str = "", whole: tuple[str, ...] = ()) -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}; empty dicts, and dicts under a key in `whole` (e.g. reward.kwargs), stay leaves."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v and k not in whole:
+            out.update(flat(v, f"{prefix}{k}.", whole))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def to_dict(cfg: Config) -> dict:

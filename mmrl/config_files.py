@@ -237,7 +237,7 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+def parse_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML file (which may name `base: other.yaml`, relative to itself) <- key=value overrides.
     log.out_dir not set by the file itself (a base's does not count) nor an override: runs/<the file's name>, so a
     config never writes into another config's run folder. A run's saved config.json has its MOVED keys translated;

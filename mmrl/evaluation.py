@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+EVAL_BATCH = 64  # prompts per held-out evaluation batch (the trainer's, mmrl eval's and mmrl sample's)
+
 log = logging.getLogger(__name__)
 
 EVAL_SEED = 10_000  # held-out example i is generated with seed EVAL_SEED + i (trainer and `mmrl eval` alike)
@@ -22,7 +24,7 @@ NOT_METRICS = ("per_category", "n", "se", "scores", "seconds", "draws")  # resul
 
 @torch.no_grad()
 def evaluate_outputs(generate: Callable[[list[dict], int], object], examples: list[dict], reward: Callable,
-                     seed: int = 0, batch_size: int = 64, progress: bool | None = True, dist=None,
+                     seed: int = 0, batch_size: int = EVAL_BATCH, progress: bool | None = True, dist=None,
                      draws: int = 1) -> dict:
     """generate(examples_chunk, first_seed) -> outputs; example i uses seed `seed + i` (batch-size invariant).
     batch_size examples are generated and scored per call (the policy's own micro-batching applies within).
@@ -119,7 +121,7 @@ def standard_error(xs: list[float]) -> float:
 
 
 def evaluate_generator(model, examples: list[dict], reward: Callable, seed: int = 0, num_steps: int = 16,
-                       cfg_scale: float = 1.0, batch_size: int = 64, progress: bool = True) -> dict:
+                       cfg_scale: float = 1.0, batch_size: int = EVAL_BATCH, progress: bool = True) -> dict:
     """evaluate_outputs of a FlowModel's ODE samples (`model.generate`): example i uses noise seed seed + i."""
 
     def generate(chunk, first_seed):

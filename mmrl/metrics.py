@@ -17,6 +17,7 @@ import uuid
 
 import torch
 
+from mmrl.config import flat
 from mmrl.errors import ConfigError, MissingDependency
 
 log = logging.getLogger(__name__)
@@ -251,7 +252,7 @@ class MlflowTracker(Tracker):
         self.client.update_run(self.run_id, status="RUNNING")
         logged = self.client.get_run(self.run_id).data.params  # a resumed run keeps its first values
         self.client.log_batch(self.run_id, params=[Param(k, str(v)[:self.PARAM_CHARS])
-                                                   for k, v in _flat(config).items() if k not in logged])
+                                                   for k, v in flat(config).items() if k not in logged])
 
     def scalars(self, step, values):
         ms = int(time.time() * 1000)
@@ -296,14 +297,6 @@ def _run_name(out_dir: str) -> str:
 
 def _config_dict(config) -> dict:
     return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config or {})
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} -> {"a.b": 1}; empty dicts stay leaves."""
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
-    return out
 
 
 def _mlflow_key(key: str) -> str:

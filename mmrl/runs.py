@@ -18,7 +18,7 @@ import shutil
 import time
 
 from mmrl.checkpoint import checkpoints, latest
-from mmrl.config import Config, to_dict
+from mmrl.config import Config, flat as config_flat, to_dict
 from mmrl.config_files import upgrade_saved
 from mmrl.errors import UserError
 from mmrl.preemption import restarted
@@ -43,13 +43,7 @@ def holds_run(out_dir: str) -> bool:
 
 def flat(d: dict, prefix: str = "") -> dict:
     """{"a": {"b": 1}} -> {"a.b": 1} (dict-valued leaves such as reward.kwargs are compared whole)."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and k not in ("kwargs", "eval_kwargs", "vllm"):
-            out.update(flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+    return config_flat(d, prefix, whole=("kwargs", "eval_kwargs", "vllm"))
 
 
 def config_changes(saved: dict, cfg: Config) -> list[tuple[str, object, object]]:

@@ -37,9 +37,10 @@ from mmrl import compose
 from mmrl.checkpoint import latest
 from mmrl.errors import ConfigError, MissingFile
 from mmrl.eval import policy_folder
+from mmrl.evaluation import EVAL_BATCH
 from mmrl.metrics import video_strips
 
-BATCH = 64        # prompts per evaluate call (mmrl eval's chunk size)
+BATCH = EVAL_BATCH  # prompts per evaluate call (mmrl eval's chunk size)
 CELL_H = 180      # contact sheet: images are scaled (integer factor, nearest) to about this height ...
 MAX_W = 1024      # ... and at most this width
 TEXT_W = 192      # cells are at least this wide, for the text

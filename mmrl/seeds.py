@@ -10,8 +10,17 @@ the iteration). The mixing is a multiply-add by a prime per counter, modulo 2**6
 from __future__ import annotations
 
 PRIME = 1_000_003
-# a stream per consumer; a new consumer adds its name here (never reuse a number: it would replay another's draws)
-STREAMS = {"iteration": 1, "minibatches": 2, "forward_noise": 3, "step_noise": 4, "contrast": 5, "lora_init": 6}
+# a stream per consumer; a new consumer adds its name here (never reuse a number: it would replay another's draws;
+# 3 and 4 were the row streams below before they moved there)
+STREAMS = {"iteration": 1, "minibatches": 2, "contrast": 5, "lora_init": 6, "branch_noise": 7}
+# a sampled row's own streams, from the row's seed (a flow chain's SDE noise, a forward-process objective's noise
+# levels): row_seed(seed, stream) = seed x P + offset (mod 2**63), the row's noise whichever process samples it
+ROW_STREAMS = {"step_noise": 12_345, "forward_noise": 54_321}
+
+
+def row_seed(seed: int, stream: str) -> int:
+    """The seed of a sampled row's `stream` (a ROW_STREAMS name) from the row's seed."""
+    return (int(seed) * PRIME + ROW_STREAMS[stream]) % 2**63
 
 
 def derive_seed(seed: int, stream: str, *counters: int) -> int:

@@ -30,7 +30,7 @@ from mmrl.config import Config, sample_chunk
 from mmrl.data import Rollout, micro_batches, stratified_minibatches
 from mmrl.distributed import Distributed, check_parallel_config
 from mmrl.errors import ConfigError
-from mmrl.evaluation import EVAL_SEED, evaluate_outputs
+from mmrl.evaluation import EVAL_BATCH, EVAL_SEED, evaluate_outputs
 from mmrl.metrics import Logger, SignalWatch, Timer, per_category, perf
 from mmrl.micro_batch import resolve_micro_batch
 from mmrl.rollout.collect import Collector
@@ -326,7 +326,7 @@ class Trainer:
             with self.ema_weights():
                 res = evaluate_outputs(self.policy.evaluate, self.task.eval_examples(),
                                        lambda o, e: self.eval_reward(o, e)[0], seed=EVAL_SEED,
-                                       batch_size=sample_chunk(self.cfg.train) or 64, draws=self.cfg.log.eval_draws,
+                                       batch_size=sample_chunk(self.cfg.train) or EVAL_BATCH, draws=self.cfg.log.eval_draws,
                                        progress=self.cfg.log.progress if self.dist.main else None, dist=self.dist)
         finally:
             self.eval_reward.on_error = on_error

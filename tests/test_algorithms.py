@@ -108,7 +108,7 @@ def test_dual_clip_hand_computed():
     assert logp.grad[0].tolist() == pytest.approx([0.0, 2.0, 0.0], abs=1e-6)  # d(-A r)/dlogp = -A r = 2 for r = 2
     off, _ = POLICY_LOSSES["ppo_clip"](logp.detach(), torch.zeros(1, 3), adv, CFG)  # clip_ratio_c = 0: plain PPO
     assert off[0].tolist() == pytest.approx([4.0, 2.0, -1.2], abs=1e-6)
-    from mmrl.config_files import load_config
+    from mmrl.compose import load_config
     with pytest.raises(ValueError, match="algo.clip_ratio_c must be > 1"):
         load_config(None, ["algo.clip_ratio_c=0.5"])
 

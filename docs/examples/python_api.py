@@ -8,10 +8,7 @@ import sys
 
 import torch
 
-from mmrl.compose import load_config
-from mmrl.eval import evaluate_checkpoints
-from mmrl.reward import REWARDS
-from mmrl.runs import train
+from mmrl import REWARDS, evaluate_checkpoints, load_config, train
 
 
 def centered(outputs: torch.Tensor, examples: list[dict]) -> torch.Tensor:

@@ -35,7 +35,7 @@ from mmrl.policy.flow_checkpoint import (  # noqa: F401  (load_policy_checkpoint
 from mmrl.rollout.step_branch import run_branches
 from mmrl.rollout.tree import run_tree, trained_steps
 from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std, strided_schedule, window_in
-from mmrl.seeds import derive_seed
+from mmrl.seeds import derive_seed, row_seed
 
 WEIGHTS_FILE = "trainable.safetensors"
 
@@ -314,7 +314,7 @@ class FlowPolicy(PolicyDefaults):
         from the row's seed, x_t = (1 - t) x0 + t eps, and the sampling weights' velocity there (no gradient).
         Old log-prob of an action: -mean_d (v_old - (eps - x0))^2, the negative flow-matching loss."""
         k, (lo, hi) = self.cfg.forward_timesteps, self.cfg.forward_t_range
-        gens = [torch.Generator().manual_seed((s * 1_000_003 + 54_321) % 2**63) for s in seeds]
+        gens = [torch.Generator().manual_seed(row_seed(s, "forward_noise")) for s in seeds]
         t = torch.stack([lo + (hi - lo) * torch.rand(k, generator=g) for g in gens]).to(x0.device)     # [n, K]
         eps = torch.stack([torch.randn(k, *x0.shape[1:], generator=g) for g in gens]).to(x0)           # [n, K, *D]
         tb = t.reshape(*t.shape, *([1] * (x0.dim() - 1)))
@@ -338,7 +338,7 @@ class FlowPolicy(PolicyDefaults):
         images = None if images is None else [images[i // group_size] for i in rows]
         enc, pooled = self.encode([texts[i // group_size] for i in rows], images)        # [n, L, D], [n, P]
         x = self.model.initial_noise([init[i] for i in rows], self.device)              # [n, C, H, W]
-        step_noise = [torch.Generator(self.device).manual_seed((seeds[i] * 1_000_003 + 12_345) % 2**63) for i in rows]
+        step_noise = [torch.Generator(self.device).manual_seed(row_seed(seeds[i], "step_noise")) for i in rows]
         kinds = ["ode"] * self.cfg.num_steps
         for i in window:
             kinds[i] = self.cfg.kind
@@ -362,7 +362,7 @@ class FlowPolicy(PolicyDefaults):
         texts, seeds = [texts[i] for i in groups], [seeds[i] for i in groups]
         images = None if images is None else [images[i] for i in groups]
         enc, pooled = self.encode(texts, images)                       # [B, L, D], [B, P]
-        gens = [torch.Generator(self.device).manual_seed(derive_seed(s, "step_noise", r))
+        gens = [torch.Generator(self.device).manual_seed(derive_seed(s, "branch_noise", r))
                 for s in seeds for r in range(group_size)]             # one per child row
 
         def velocity(x, s, prompt):  # x [M, C, H, W], s [M], prompt [M]: the prompt of each row

@@ -34,7 +34,7 @@ def _child(spec: dict) -> dict:
 
     import torch
 
-    from mmrl.config_files import load_config
+    from mmrl.compose import load_config
     from mmrl.trainer import Trainer
 
     torch.set_num_threads(spec.get("threads", 1))
