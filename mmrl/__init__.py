@@ -1,6 +1,6 @@
 """mmrl: group-relative RL for flow / diffusion generators, VLMs and video LLMs, behind one Policy interface.
 
-The public API (docs/api.md), imported on first use so that `import mmrl` (and the command line) stays fast:
+The public API (docs/python-api.md), imported on first use so that `import mmrl` (and the command line) stays fast:
 
     from mmrl import load_config, train, evaluate_checkpoints
     cfg = load_config("configs/t2i/shapes_grpo.yaml", ["train.iterations=5"])

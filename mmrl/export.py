@@ -16,6 +16,7 @@ import shutil
 from mmrl.checkpoint import policy_folder, share
 from mmrl.errors import MissingFile, TargetExists
 from mmrl.policy.kinds import kind_of
+from mmrl.registry import import_path
 
 
 def export(checkpoint: str, out: str) -> str:
@@ -33,13 +34,13 @@ def export(checkpoint: str, out: str) -> str:
     tmp = out.rstrip("/") + ".tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)
     kind = kind_of(meta["policy"])  # a user's own policy: a transformers model folder
-    (_export_flow if kind is not None and kind.exports == "diffusers" else _export_token)(checkpoint, meta, tmp)
+    import_path(kind.export if kind is not None else "mmrl.export:export_transformers")(checkpoint, meta, tmp)
     share(tmp)  # safetensors writes owner-only files: the umask's permissions, so teammates can load the export
     os.replace(tmp, out)
     return out
 
 
-def _export_flow(checkpoint: str, meta: dict, out: str) -> None:
+def export_diffusers(checkpoint: str, meta: dict, out: str) -> None:
     import diffusers
 
     from mmrl.models.families import family_for
@@ -67,7 +68,7 @@ def _export_flow(checkpoint: str, meta: dict, out: str) -> None:
     pipe.save_pretrained(out)
 
 
-def _export_token(checkpoint: str, meta: dict, out: str) -> None:
+def export_transformers(checkpoint: str, meta: dict, out: str) -> None:
     from mmrl.policy.token import load_token_policy
 
     pol = load_token_policy(checkpoint)

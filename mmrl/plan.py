@@ -66,6 +66,7 @@ import torch
 from mmrl.algorithms.objective import build_objective
 from mmrl.config import SHARDED
 from mmrl.policy.kinds import kind_of
+from mmrl.registry import import_path
 from mmrl.devices import torch_dtype
 from mmrl.distributed import check_parallel_config
 from mmrl.shards import transformer_blocks
@@ -173,7 +174,7 @@ def _flow_call(model, inputs, m: int, dtype: torch.dtype) -> Callable[[], None]:
     return run
 
 
-def _flow_parts(cfg, arch: dict | None, rows: Rows, cp: int, needs_reference: bool) -> Parts:
+def flow_parts(cfg, arch: dict | None, rows: Rows, cp: int, prompt_tokens: int, needs_reference: bool) -> Parts:
     """A flow transformer, its frozen parts and a rank's rollout bytes, every model fact read from its family (LoRA
     targets, the shapes it is fed, how its VAE decodes)."""
     t, s, dtype = cfg.train, cfg.sampler, torch_dtype(cfg.model.dtype)
@@ -211,7 +212,7 @@ def _flow_parts(cfg, arch: dict | None, rows: Rows, cp: int, needs_reference: bo
                  chain, cache)
 
 
-def _token_parts(cfg, arch: dict | None, rows: Rows, prompt_tokens: int, needs_reference: bool) -> Parts:
+def token_parts(cfg, arch: dict | None, rows: Rows, cp: int, prompt_tokens: int, needs_reference: bool) -> Parts:
     """A token policy's language model (the vision tower counted, never run: token ids stand in for the media)."""
     from mmrl.policy.token import DEFAULT_LORA_TARGETS
 
@@ -236,7 +237,7 @@ def _token_parts(cfg, arch: dict | None, rows: Rows, prompt_tokens: int, needs_r
                  loaded_whole=whole)  # build_token_policy loads the whole model onto each GPU before sharding
 
 
-def _janus_parts(cfg, arch: dict | None, rows: Rows, prompt_tokens: int, needs_reference: bool) -> Parts:
+def janus_parts(cfg, arch: dict | None, rows: Rows, cp: int, prompt_tokens: int, needs_reference: bool) -> Parts:
     """Janus-Pro's image-token path, the policy's training forward through it, its frozen parts, the VQ decode of a
     sampling chunk and the KV cache of its generation (see the module docstring)."""
     from mmrl.policy.janus import JanusPolicy, check_janus_config
@@ -404,15 +405,12 @@ def plan(cfg, arch_name: str | None = None, prompt_tokens: int | None = None, wo
     _check_layout(cfg, world, cp, folder=arch_name is None)
     arch = _architecture(cfg, arch_name)
     kind = _kind(cfg)
-    if kind is None:
-        raise ConfigError(f"mmrl plan knows the built-in policies (flow, token, janus), not "
-                          f"model.policy={cfg.model.policy}")
+    if kind is None or kind.plan_parts is None:
+        raise ConfigError(f"mmrl plan sizes the policy kinds that declare their parts (PolicyKind.plan_parts, "
+                          f"mmrl/policy/kinds.py), not model.policy={cfg.model.policy}")
     rows, needs_reference = rows_of(cfg.train, world), build_objective(cfg.algo).needs_reference
-    if kind.denoises:
-        parts = _flow_parts(cfg, arch, rows, cp, needs_reference)
-    else:  # the token policies' parts (the language model, or Janus's generation path), by the kind's builder
-        build = {"token": _token_parts, "janus": _janus_parts}[kind.name]
-        parts = build(cfg, arch, rows, prompt_tokens or kind.plan_prompt_tokens, needs_reference)
+    build = import_path(kind.plan_parts)  # the kind's parts: transformer, frozen parts, rollout bytes
+    parts = build(cfg, arch, rows, cp, prompt_tokens or kind.plan_prompt_tokens, needs_reference)
     out = {"model": arch_name or cfg.model.path, **_by_hand(cfg, parts, rows, world, cp)}
     return _measured(cfg, parts, out, device) if measured else out
 

@@ -61,7 +61,7 @@ def test_overrides_and_types():
     ("model.lora.target_modules=[1]", r"'model.lora.target_modules\[0\]' expects str, got 1"),
     ("sampler.sde_window_range=5", r"'sampler.sde_window_range' expects a list \(list\[int\]\), got 5"),
     ("sampler.sde_window_range=[0,1,2]", r"sampler.sde_window_range must be \[lo, hi\) window starts"),
-    ("model.policy=token sampler.engine=vlm", r"sampler.engine: invalid value 'vlm'; valid: \['prefix_cache', 'hf', 'vllm'\]"),
+    ("model.policy=token sampler.engine=vlm", r"sampler.engine: unknown rollout engine \(sampler.engine\) 'vlm'. Did you mean 'vllm'\?"),
     ("sampler.temperature=0.7", r"sampler.temperature does not apply to model.policy=flow: remove it"),
     ("model.policy=token sampler.num_steps=20", r"sampler.num_steps does not apply to model.policy=token"),
     ("tree.fusion=max", r"tree.fusion: invalid value 'max'; valid: \['mean', 'softmax'\]"),

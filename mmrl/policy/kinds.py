@@ -24,8 +24,10 @@ class PolicyKind:
     adv_std: str = "population"                # the group std algo.adv_std=auto resolves to (population: flow_grpo;
                                                # sample: verl, TRL)
     model_folder: str = "config.json (a transformers model)"  # what model.path must hold (in errors)
-    exports: str = "transformers"              # `mmrl export` writes: diffusers | transformers (a model folder)
+    export: str = "mmrl.export:export_transformers"  # `mmrl export`'s writer (checkpoint, meta, out), import path
     shards_reference: bool = False             # parallelize shards a full-fine-tuning reference copy with the model
+    plan_parts: str | None = None              # `mmrl plan`'s parts builder (cfg, arch, rows, cp=, prompt_tokens=,
+                                               # needs_reference=) -> Parts, import path; None: not plannable
     plan_prompt_tokens: int = 0                # `mmrl plan`'s default prompt length (0: the prompt is not tokens)
 
 
@@ -37,16 +39,18 @@ FLOW_KEYS = {"sampler": ("kind", "num_steps", "noise_level", "cfg_scale", "shift
 
 KINDS = {k.name: k for k in (
     PolicyKind("flow", FLOW_KEYS, denoises=True, model_folder="model_index.json (a diffusers pipeline)",
-               exports="diffusers", shards_reference=True,
+               export="mmrl.export:export_diffusers", shards_reference=True, plan_parts="mmrl.plan:flow_parts",
                provides={"transitions": ("mean", "std", "velocity", "ratio_bias", "schedule_std_mean", "sigma_next"),
                          "forward": ("velocity", "old_velocity", "target", "sigma")}),
     PolicyKind("token", {"sampler": ("temperature", "top_p", "max_new_tokens", "engine", "vllm"),
                          "model": ("shared_prefix", "freeze_vision")},
-               provides={"transitions": ("entropy",)}, decodes=True, adv_std="sample", plan_prompt_tokens=512),
+               provides={"transitions": ("entropy",)}, decodes=True, adv_std="sample", plan_parts="mmrl.plan:token_parts",
+               plan_prompt_tokens=512),
     # Janus-Pro: image tokens as actions, sampled by its own CFG loop (docs/token-policies.md); an image has the
     # model's token count, so it reads no length or engine keys
     PolicyKind("janus", {"sampler": ("cfg_scale", "eval_cfg_scale", "cfg_grad", "temperature")},
-               provides={"transitions": ("entropy",)}, shards_reference=True, plan_prompt_tokens=48),
+               provides={"transitions": ("entropy",)}, shards_reference=True, plan_parts="mmrl.plan:janus_parts",
+               plan_prompt_tokens=48),
 )}
 
 
