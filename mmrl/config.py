@@ -282,10 +282,10 @@ class LogConfig:
     out_dir: str = "runs/shapes_grpo"
     tensorboard: bool = True
     report_to: list[str] = field(default_factory=list)  # more trackers beside TensorBoard: wandb, mlflow (docs/trackers.md)
-    image_every: int = 10         # iterations between image grids
+    image_every: int = 10         # iterations between image grids; 0 = none
     eval_every_min: float = 0.0   # > 0: also evaluate each time this many minutes of the run have passed (the
                                   # evaluations count in train.time_budget_min); results.json lists them
-    save_every: int = 20          # iterations between checkpoints (and one at the end)
+    save_every: int = 20          # iterations between checkpoints (and one at the end); 0 = only at the end
     keep_checkpoints: int = 2     # newest checkpoints kept; older ones are deleted after a successful save
     eval_every: int = 0           # iterations between held-out evals (0 = at start and end only)
     eval_at_start: bool = True
@@ -322,12 +322,42 @@ class Config:
         self._validate_algo()
         self._validate_sampler()
         self._validate_tree()
+        self._validate_ranges()
         if self.log.eval_draws < 1:
             raise ConfigError(f"log.eval_draws={self.log.eval_draws}: evaluate each example at least once (1 or more)")
+        if self.task.prompt_file and self.task.name != "prompt_file" and ":" not in self.task.name:  # built-in tasks
+            raise ConfigError(f"task.prompt_file is read by task.name=prompt_file only; task.name={self.task.name} "
+                              f"draws its own prompts: set task.name=prompt_file to train on the file, or remove "
+                              f"task.prompt_file")
         if self.task.name == "prompt_file" and not self.task.prompt_file and not self.task.kwargs.get("dataset"):
             raise ConfigError("task.name=prompt_file needs task.prompt_file=PATH (.txt one prompt per line, .jsonl / .csv "
                               "with a prompt field) or task.kwargs.dataset=NAME_OR_FOLDER (Hugging Face datasets)")
         return self
+
+    # numeric keys and their ranges, checked at load: (key, lowest, highest, lowest allowed: True = inclusive)
+    RANGES = [("train.lr", 0, None, False), ("train.lr_warmup", 0, None, True), ("train.lr_cooldown", 0, 1, True),
+              ("train.weight_decay", 0, None, True), ("train.max_grad_norm", 0, None, False),
+              ("train.zero_signal_patience", 0, None, True), ("train.threads", 0, None, True),
+              ("train.time_budget_min", 0, None, True), ("train.shard_size", 0, None, True),
+              ("train.ratio_warn", 0, None, True), ("log.image_every", 0, None, True), ("log.save_every", 0, None, True),
+              ("log.keep_checkpoints", 1, None, True), ("log.eval_every", 0, None, True),
+              ("log.eval_every_min", 0, None, True), ("sampler.noise_level", 0, None, True),
+              ("sampler.cfg_scale", 0, None, True), ("sampler.eval_cfg_scale", 0, None, True),
+              ("sampler.eval_steps", 1, None, True), ("sampler.branch_children", 0, None, True),
+              ("sampler.temperature", 0, None, True), ("sampler.top_p", 0, 1, False),
+              ("sampler.max_new_tokens", 1, None, True), ("task.eval_prompts", 0, None, True)]
+
+    def _validate_ranges(self) -> None:
+        """Every numeric key of RANGES within its range, the error naming the key, the range and what 0 means."""
+        for key, lo, hi, inclusive in self.RANGES:
+            section, name = key.split(".")
+            v = getattr(getattr(self, section), name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue  # a type error is the loader's; "auto" values are resolved elsewhere
+            if (v < lo if inclusive else v <= lo) or (hi is not None and v > hi):
+                span = f"{'>=' if inclusive else '>'} {lo}" + (f" and <= {hi}" if hi is not None else "")
+                off = _ZERO_MEANS.get(key)
+                raise ConfigError(f"{key}={v}: must be {span}" + (f" (0 = {off})" if off else ""))
 
     def _validate_reward(self) -> None:
         if self.reward.name == "pairwise" and not self.reward.eval_name:
@@ -506,6 +536,12 @@ class Config:
             raise ConfigError(f"tree.split_rounds={tr.split_rounds} means split_steps={steps}, but tree.split_steps="
                               f"{tr.split_steps}: set one of them")
         tr.split_steps = steps
+
+
+_ZERO_MEANS = {"train.threads": "torch's default", "train.time_budget_min": "no limit", "log.image_every": "none",
+               "log.save_every": "only at the end", "log.eval_every": "at start and end only",
+               "log.eval_every_min": "off", "train.zero_signal_patience": "never warn", "train.ratio_warn": "never",
+               "train.shard_size": "the processes per node", "train.lr_cooldown": "a constant lr"}
 
 
 def choice(key: str, value: Any, valid: tuple) -> None:

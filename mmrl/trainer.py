@@ -134,7 +134,7 @@ class Trainer:
                     res = self.evaluate(self.iteration)
                     if timed:
                         self.timed_evals.append({"minutes": self.elapsed_min, "iteration": self.iteration, **res})
-                if self.iteration % cfg.log.save_every == 0 or last:
+                if cfg.log.save_every and self.iteration % cfg.log.save_every == 0 or last:
                     self.save()
                 if out_of_time:
                     log.warning("train.time_budget_min=%s reached after %d iterations", t.time_budget_min,

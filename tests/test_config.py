@@ -160,3 +160,24 @@ def test_an_older_runs_saved_config_is_translated_with_a_warning(tmp_path, caplo
     (tmp_path / "old.yaml").write_text(json.dumps(old))  # the same keys in a config a person wrote: refused
     with pytest.raises(ValueError, match="algo.policy_loss moved to algo.objective.name"):
         load_config(str(tmp_path / "old.yaml"))
+
+
+@pytest.mark.parametrize("item,match", [
+    ("log.save_every=-1", r"log.save_every=-1: must be >= 0 \(0 = only at the end\)"),
+    ("train.lr=-1", r"train.lr=-1.0: must be > 0"),
+    ("log.eval_every=-1", r"log.eval_every=-1: must be >= 0 \(0 = at start and end only\)"),
+    ("sampler.top_p=1.5", r"sampler.top_p=1.5: must be > 0 and <= 1"),
+    ("log.keep_checkpoints=0", r"log.keep_checkpoints=0: must be >= 1"),
+])
+def test_numeric_keys_are_checked_at_load(item, match):
+    """Numbers that used to pass `mmrl validate` and then crash or mislead (log.save_every=0 divided by zero at the
+    first save; a negative lr trained backwards) are refused at load, naming the range and what 0 means."""
+    with pytest.raises(ValueError, match=match):
+        load_config(None, [item])
+    assert load_config(None, ["log.save_every=0"]).log.save_every == 0  # 0 = only at the end (the trainer's rule)
+
+
+def test_a_prompt_file_for_a_task_that_does_not_read_it_is_refused():
+    """task.prompt_file on a config whose task draws its own prompts (shapes) was silently ignored."""
+    with pytest.raises(ValueError, match="task.prompt_file is read by task.name=prompt_file only; task.name=shapes"):
+        load_config("configs/t2i/shapes_grpo.yaml", ["task.prompt_file=prompts.txt"])
