@@ -1,13 +1,13 @@
 """The command line:
     mmrl train CONFIG [--resume | --overwrite] [--json] [k=v ...]   train (mmrl/runs.py, mmrl/trainer.py)
-    mmrl eval CONFIG [RUN|CHECKPOINT ...] [--draws K] [k=v ...]  the config's held-out benchmark (mmrl/eval.py)
+    mmrl eval CONFIG [RUN|CHECKPOINT ...] [--draws K] [--json] [k=v ...]  the held-out benchmark (mmrl/eval.py)
     mmrl sample CONFIG [RUN|CHECKPOINT ...] [--prompts ...]      images / videos and a contact sheet (mmrl/sample.py)
     mmrl validate CONFIG [k=v ...] [--nproc N] [--resume|--overwrite]  train's checks, no weights (mmrl/preflight.py)
-    mmrl plan CONFIG [--world N] [--cp D] [key=value ...]        memory and FLOPs per GPU at real size (mmrl/plan.py)
+    mmrl plan CONFIG [--world N] [--cp D] [--json] [k=v ...]     memory and FLOPs per GPU at real size (mmrl/plan.py)
     mmrl export CHECKPOINT OUT                                   a merged model folder (mmrl/export.py)
     mmrl serve-reward NAME [--kwargs JSON] [--port P]            a reward over HTTP (mmrl/reward_server.py)
 
-Options may come anywhere on the line. A user error (mmrl.errors.UserError: a bad config, a missing file, a run
+Options may come anywhere on the line. Tables by default; --json prints one JSON object instead (train, eval, plan). A user error (mmrl.errors.UserError: a bad config, a missing file, a run
 folder in use, an unknown or unimportable name) prints one message naming the fix and exits with status 2;
 `--debug` (or MMRL_DEBUG=1) shows the traceback instead. Any other exception is a bug somewhere (mmrl, a library,
 a plugin's code): it keeps its traceback and exits with status 1. The working directory and the config file's
@@ -45,6 +45,7 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=None, help="example i uses seed SEED + i (default: the trainer's "
                                                            "evaluation seed, so the figures match a run's eval/)")
     ev.add_argument("--no-base", action="store_true", help="skip the config's base model")
+    ev.add_argument("--json", action="store_true", help="print the figures as one JSON object instead of the table")
     ev.add_argument("--draws", type=int, default=None, metavar="K",
                     help="score each model K times, noise seeds SEED ... SEED+K-1, and report the mean and each "
                          "draw (default: the config's log.eval_draws, 1; a greedy token policy's draws are identical)")
@@ -79,6 +80,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--prompt-tokens", type=int, default=None,
                     help="token policies: prompt length with media tokens (default 512); janus: before its image tokens (48)")
     pl.add_argument("--world", type=int, default=1, help="data-parallel processes (each samples whole groups)")
+    pl.add_argument("--json", action="store_true", help="print the plan as one JSON object instead of the table")
     pl.add_argument("--gpu-gib", type=float, default=80.0,
                     help="train.micro_batch=auto: the GPU memory it fits (default 80, an H100 / A100 80 GB)")
     pl.add_argument("--cp", type=int, default=None, help="context-parallel ranks splitting one video's tokens "
@@ -157,8 +159,7 @@ def run(args) -> int:
                                                     args.prompt_tokens)["micro_batch"]
             print(f"train.micro_batch=auto on {args.gpu_gib:g} GiB: {cfg.train.micro_batch}")
         res = plan(cfg, args.arch, args.prompt_tokens, args.world, cp, measured=True)
-        print(format_plan(res))
-        print(json.dumps(res))
+        print(json.dumps(res) if args.json else format_plan(res))
         return 0
     if args.cmd in ("validate", "train"):
         from mmrl import preflight

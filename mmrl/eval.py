@@ -107,7 +107,9 @@ def eval_main(args, cfg) -> int:
     """args: checkpoints, seed, no_base, draws (mmrl/cli.py); cfg: the loaded config."""
     draws = cfg.log.eval_draws if args.draws is None else args.draws
     results = evaluate_checkpoints(cfg, args.checkpoints, args.seed, not args.no_base, cfg.log.progress, draws)
-    print(format_table(results))
     n = next((r["n"] for r in results.values() if "n" in r), 0)
-    print(json.dumps({"task": cfg.task.name, "n": n, "seed": args.seed, "draws": draws, "results": results}))
+    if getattr(args, "json", False):
+        print(json.dumps({"task": cfg.task.name, "n": n, "seed": args.seed, "draws": draws, "results": results}))
+    else:
+        print(format_table(results))
     return 0

@@ -60,20 +60,23 @@ def test_smoke_train_and_resume_bit_identical(tiny_pixel_model, tmp_path):
         assert torch.equal(x, y)
     # mmrl eval of the final checkpoint (its EMA policy) at the trainer's eval seeds gives the trainer's own figure
     ck = os.path.join(full, "checkpoints", "iter-000003")
-    r = mmrl("eval", "configs/tiny/flow_smoke.yaml", f"model.path={common[1].split('=', 1)[1]}", ck, "--seed", "10000")
+    r = mmrl("eval", "--json", "configs/tiny/flow_smoke.yaml", f"model.path={common[1].split('=', 1)[1]}", ck, "--seed", "10000")
     assert r.returncode == 0, r.stderr[-3000:]
     ev = json.loads(r.stdout.strip().splitlines()[-1])
-    assert list(ev["results"]) == [f"base ({common[1].split('=', 1)[1]})", ck] and "strict" in r.stdout.splitlines()[0]
+    assert list(ev["results"]) == [f"base ({common[1].split('=', 1)[1]})", ck] and len(r.stdout.strip().splitlines()) == 1
     assert ev["results"][ck]["strict"] == res["eval_end"]["strict"] and ev["n"] == res["eval_end"]["n"]
     # --draws 2: the draws are the evaluations at seeds 10000 and 10001, and their mean
-    r2 = mmrl("eval", "configs/tiny/flow_smoke.yaml", f"model.path={common[1].split('=', 1)[1]}", ck, "--draws", "2",
+    r2 = mmrl("eval", "--json", "configs/tiny/flow_smoke.yaml", f"model.path={common[1].split('=', 1)[1]}", ck, "--draws", "2",
               "--no-base")
-    r3 = mmrl("eval", "configs/tiny/flow_smoke.yaml", f"model.path={common[1].split('=', 1)[1]}", ck, "--seed",
+    table = mmrl("eval", "configs/tiny/flow_smoke.yaml", f"model.path={common[1].split('=', 1)[1]}", ck, "--draws", "2",
+                 "--no-base")  # without --json: the table alone
+    assert "overall per draw" in table.stdout and not table.stdout.lstrip().startswith("{")
+    r3 = mmrl("eval", "--json", "configs/tiny/flow_smoke.yaml", f"model.path={common[1].split('=', 1)[1]}", ck, "--seed",
               "10001", "--no-base")
     assert r2.returncode == 0 and r3.returncode == 0, (r2.stderr + r3.stderr)[-3000:]
     two = json.loads(r2.stdout.strip().splitlines()[-1])["results"][ck]
     other = json.loads(r3.stdout.strip().splitlines()[-1])["results"][ck]["overall"]
-    assert two["draws"]["overall"] == [res["eval_end"]["overall"], other] and "overall per draw" in r2.stdout
+    assert two["draws"]["overall"] == [res["eval_end"]["overall"], other] and len(r2.stdout.strip().splitlines()) == 1
     assert two["overall"] == pytest.approx((res["eval_end"]["overall"] + other) / 2, abs=1e-4)
     # the trainer's own evaluation with log.eval_draws=2 is the same two draws
     trained = json.load(open(tmp_path / "part" / "results.json"))["eval_end"]
@@ -107,7 +110,7 @@ def test_vlm_smoke_train_and_resume_bit_identical(tiny_vl, tiny_world, tmp_path)
         assert torch.equal(x, y)
     # mmrl eval: the base, the checkpoint (= the trainer's final eval) and the task's blind constant baseline
     ck = os.path.join(full, "checkpoints", "iter-000003")
-    r = mmrl("eval", *common, ck, "--seed", "10000")
+    r = mmrl("eval", *common, ck, "--seed", "10000", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     ev = json.loads(r.stdout.strip().splitlines()[-1])["results"]
     assert list(ev)[1:] == [ck, "constant answer"] and ev[ck]["iou"] == res["eval_end"]["iou"]

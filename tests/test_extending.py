@@ -32,7 +32,7 @@ def test_the_docs_examples_train_and_evaluate_from_yaml(tmp_path, monkeypatch, c
     train = [r for r in rows if "reward/brightness_mean" in r]
     assert len(train) == 2 and all(r["train/grad_norm"] > 0 for r in train)
     capsys.readouterr()
-    assert main(["eval", str(cfg), str(out / "checkpoints" / "iter-000002"), "--seed", "10000"]) == 0
+    assert main(["eval", str(cfg), str(out / "checkpoints" / "iter-000002"), "--seed", "10000", "--json"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     base, trained = res["results"].values()
     assert res["n"] == 3 and set(base["per_category"]) == {"red", "green", "blue"}
