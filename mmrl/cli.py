@@ -25,6 +25,26 @@ import time
 from mmrl.errors import UserError
 
 
+def add_sample_parser(subparsers):
+    """Register `sample` (mmrl/sample.py) on the CLI's subparsers."""
+    sp = subparsers.add_parser("sample", help="generate from the base model and checkpoints: images, videos, "
+                                              "rewards and a contact sheet")
+    sp.add_argument("config", help="YAML config: its task, reward and base model")
+    sp.add_argument("rest", nargs="*", metavar="CKPT|key=value",
+                    help="run folders (log.out_dir: the latest checkpoint), trainer checkpoints "
+                         "(runs/NAME/checkpoints/iter-N), policy or model folders; section.key=value overrides")
+    sp.add_argument("--prompts", nargs="+", action="extend", metavar="FILE_OR_TEXT",
+                    help="prompt files (.txt: one per line; .jsonl: a \"prompt\" field) or literal prompts "
+                         "(default: the first N held-out examples of the config's task)")
+    sp.add_argument("--n", type=int, default=8, help="held-out examples when no --prompts are given (default 8)")
+    sp.add_argument("--seed", type=int, default=0, help="prompt i uses seed SEED + i (the same for every model)")
+    sp.add_argument("--out", help="output folder (default runs/samples/<config stem>)")
+    sp.add_argument("--base", action="store_true", help="also the config's base model (model.path), first")
+    sp.add_argument("--fps", type=int, default=8, help="frames per second of video files (default 8)")
+    sp.set_defaults(overrides=[])  # key=value items the CLI's parse_known_args leaves over are appended here
+    return sp
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmrl", description="Group-relative RL for generators and (video) LLMs.")
     p.add_argument("--version", action="version", version=f"mmrl {version()}")
@@ -49,9 +69,7 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--draws", type=int, default=None, metavar="K",
                     help="score each model K times, noise seeds SEED ... SEED+K-1, and report the mean and each "
                          "draw (default: the config's log.eval_draws, 1; a greedy token policy's draws are identical)")
-    from mmrl.sample import add_parser as add_sample
-
-    add_sample(sub)
+    add_sample_parser(sub)
     va = sub.add_parser("validate", help="check a config and everything it names, without loading weights")
     va.add_argument("config")
     va.add_argument("overrides", nargs="*")

@@ -35,8 +35,6 @@ from mmrl.policy.kinds import kind_of
 from mmrl.distributed import check_parallel_config
 from mmrl.errors import ConfigError, MissingFile, UserError
 from mmrl.metrics import check_report_to
-from mmrl.models.families import family_for
-from mmrl.models.pipelines import missing_parts
 from mmrl.policy.base import is_hub_id, resolve_model_path
 from mmrl.reward import REWARDS, plain_function_args
 from mmrl.task import TASKS
@@ -121,6 +119,9 @@ def _check_model(cfg: Config, config_path: str | None) -> None:
             except (ValueError, UnicodeDecodeError) as e:
                 raise ConfigError(f"{f} does not read as JSON ({e}): the model folder is damaged") from None
             if name == "model_index.json":  # a diffusers pipeline: each component's folder
+                from mmrl.models.families import family_for  # (imported here: diffusers loads in seconds)
+                from mmrl.models.pipelines import missing_parts
+
                 family_for(index.get("_class_name"), cfg.model.family, where=f)  # a family loads it
                 missing = missing_parts(path, index)
                 if missing:

@@ -49,28 +49,8 @@ PROMPT_LINES = 3  # a longer prompt is cut with "..."
 FONT_SIZE = 12    # of Pillow's default font
 
 
-def add_parser(subparsers):
-    """Register `sample` on the CLI's subparsers (mmrl/cli.py)."""
-    sp = subparsers.add_parser("sample", help="generate from the base model and checkpoints: images, videos, "
-                                              "rewards and a contact sheet")
-    sp.add_argument("config", help="YAML config: its task, reward and base model")
-    sp.add_argument("rest", nargs="*", metavar="CKPT|key=value",
-                    help="run folders (log.out_dir: the latest checkpoint), trainer checkpoints "
-                         "(runs/NAME/checkpoints/iter-N), policy or model folders; section.key=value overrides")
-    sp.add_argument("--prompts", nargs="+", action="extend", metavar="FILE_OR_TEXT",
-                    help="prompt files (.txt: one per line; .jsonl: a \"prompt\" field) or literal prompts "
-                         "(default: the first N held-out examples of the config's task)")
-    sp.add_argument("--n", type=int, default=8, help="held-out examples when no --prompts are given (default 8)")
-    sp.add_argument("--seed", type=int, default=0, help="prompt i uses seed SEED + i (the same for every model)")
-    sp.add_argument("--out", help="output folder (default runs/samples/<config stem>)")
-    sp.add_argument("--base", action="store_true", help="also the config's base model (model.path), first")
-    sp.add_argument("--fps", type=int, default=8, help="frames per second of video files (default 8)")
-    sp.set_defaults(overrides=[])  # key=value items the CLI's parse_known_args leaves over are appended here
-    return sp
-
-
 def run(args) -> int:
-    """The command (args from add_parser's parser; the CLI appends key=value items it did not place to
+    """The command (args from mmrl/cli.py's `sample` parser; the CLI appends key=value items it did not place to
     args.overrides). A usage error raises ValueError / FileNotFoundError naming the fix, before any model loads."""
     items = list(args.rest) + list(args.prompts or [])
     cfg = compose.load_config(args.config, list(args.overrides) + [x for x in items if is_override(x)])

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from mmrl import sample
+from mmrl.cli import add_sample_parser
 
 SMOKE = "configs/tiny/flow_smoke.yaml"
 
@@ -26,7 +27,7 @@ def mmrl_sample(*argv: str) -> int:
     if "mmrl.sample" in inspect.getsource(cli):
         return cli.main(["sample", *argv])
     p = argparse.ArgumentParser(prog="mmrl")
-    sample.add_parser(p.add_subparsers(dest="cmd", required=True))
+    add_sample_parser(p.add_subparsers(dest="cmd", required=True))
     args, extra = p.parse_known_args(["sample", *argv])
     args.overrides += extra
     try:
