@@ -118,6 +118,9 @@ def version() -> str:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' / diffusers' loading bars: a 0.00 s load
+    if not sys.stderr.isatty():  # a log file or a pipe: no progress bars (their cursor codes), one line per event
+        os.environ.setdefault("TQDM_DISABLE", "1")
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere on the line
     p = parser()
@@ -163,7 +166,7 @@ def run(args) -> int:
     if args.cmd == "eval":
         args.overrides = [x for x in args.rest if "=" in x and not os.path.exists(x)]
         args.checkpoints = [x for x in args.rest if x not in args.overrides]
-    if args.cmd == "train" and not sys.stderr.isatty() and not any(o.startswith("log.progress=") for o in args.overrides):
+    if not sys.stderr.isatty() and not any(o.startswith("log.progress=") for o in args.overrides):
         args.overrides.append("log.progress=false")  # a log file: one line per iteration, no bar control characters
     cfg = load_config(args.config, args.overrides)
     if args.cmd == "plan":

@@ -99,6 +99,17 @@ def prepare_run_dir(cfg: Config, resume: bool = False, overwrite: bool = False, 
         log.warning("--resume with a changed config (saved: %s): %s", where, show(loud))
 
 
+def finished(cfg: Config) -> dict | None:
+    """results.json of the run in log.out_dir when it has done train.iterations (its newest checkpoint is the last
+    iteration's), else None."""
+    path, ck = os.path.join(cfg.log.out_dir, "results.json"), latest(os.path.join(cfg.log.out_dir, "checkpoints"))
+    if not (os.path.isfile(path) and ck):
+        return None
+    results = json.load(open(path))
+    step = int(os.path.basename(ck.rstrip("/")).rpartition("-")[2])
+    return results if step >= cfg.train.iterations and results.get("iterations", 0) >= cfg.train.iterations else None
+
+
 def describe(out_dir: str) -> str:
     cks = checkpoints(os.path.join(out_dir, "checkpoints"))
     return f"{len(cks)} checkpoint(s), newest {os.path.basename(cks[0])}" if cks else "logs, no checkpoint"
@@ -119,6 +130,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, command: s
                     cfg.log.out_dir)
         resume, overwrite = resume or holds_run(cfg.log.out_dir), False
     prepare_run_dir(cfg, resume, overwrite, main=int(os.environ.get("RANK", "0")) == 0)
+    done = finished(cfg) if resume else None
+    if done is not None:  # nothing to continue: the run's files stay as they are
+        log.warning("%s is finished (%d of train.iterations=%d done): nothing to do. Train it longer with a larger "
+                    "train.iterations and --resume", cfg.log.out_dir, done["iterations"], cfg.train.iterations)
+        return done
     trainer = Trainer(cfg)
     if resume and not trainer.resume():
         log.warning("--resume: no checkpoint in %s/checkpoints; starting from scratch", cfg.log.out_dir)

@@ -124,6 +124,19 @@ def test_a_finished_run_extended_keeps_its_last_evaluation(tiny_pixel_model, tmp
     assert evals == [0, 2, 4] and sorted(tb_steps(out, "eval/overall")) == [0, 2, 4]
 
 
+def test_resume_of_a_finished_run_changes_nothing(tiny_pixel_model, tmp_path, caplog):
+    """--resume of a run that has done its train.iterations says so (and how to extend it) and changes no file: it
+    re-ran the final evaluation, appended a second last row to metrics.jsonl and rewrote results.json."""
+    out = tmp_path / "run"
+    first = train(cfg(tiny_pixel_model, out, "train.iterations=2"))
+    files = {f: open(out / f).read() for f in ("metrics.jsonl", "results.json", "config.json")}
+    with caplog.at_level(logging.WARNING):
+        again = train(cfg(tiny_pixel_model, out, "train.iterations=2"), resume=True)
+    assert "is finished (2 of train.iterations=2 done): nothing to do" in caplog.text
+    assert {f: open(out / f).read() for f in files} == files
+    assert again["eval_end"] == first["eval_end"]
+
+
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tiny_pixel_model, tmp_path, caplog):
     out = tmp_path / "run"
     train(cfg(tiny_pixel_model, out, "train.iterations=3", "log.save_every=1", "log.keep_checkpoints=2"))
