@@ -208,10 +208,9 @@ def run(args) -> int:
         from mmrl.eval import eval_main
         from mmrl.evaluation import EVAL_SEED
 
-        if cfg.train.threads:  # as the trainer: a shared machine's run sets 1
-            import torch
+        from mmrl.devices import set_cpu_threads
 
-            torch.set_num_threads(cfg.train.threads)
+        set_cpu_threads(cfg.train.threads)  # as the trainer: the free cores, or the count a shared machine sets
 
         args.seed = EVAL_SEED if args.seed is None else args.seed
         return eval_main(args, cfg)

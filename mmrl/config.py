@@ -238,7 +238,8 @@ class TrainConfig:
                                   # theta once per iteration, eta = min(rate x iteration, cap); [] = the current weights
     seed: int = 0
     zero_signal_patience: int = 5  # warn when this many iterations in a row have all-zero advantages (nothing learned)
-    threads: int = 0              # torch CPU threads; 0 = leave torch's default
+    threads: int | str = "auto"   # torch CPU threads: auto = the cores other processes leave free (the load average,
+                                  # re-read every iteration; OMP_NUM_THREADS set: that), a count, or 0 = torch's
     time_budget_min: float = 0.0  # stop after this many minutes of training (0 = no limit)
     parallel: str = "none"        # several processes (torchrun / accelerate launch): ddp | fsdp (FSDP2 fully_shard
                                   # over all ranks) | hsdp (hybrid: FSDP2 shards within a node of train.shard_size
@@ -349,6 +350,8 @@ class Config:
 
     def _validate_ranges(self) -> None:
         """Every numeric key of RANGES within its range, the error naming the key, the range and what 0 means."""
+        if isinstance(self.train.threads, str) and self.train.threads != "auto":
+            raise ConfigError(f"train.threads={self.train.threads!r}: use auto (the free cores), a count, or 0")
         for key, lo, hi, inclusive in self.RANGES:
             section, name = key.split(".")
             v = getattr(getattr(self, section), name)

@@ -3,6 +3,8 @@ token policy builders and `mmrl plan` read them here."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mmrl.errors import ConfigError
@@ -46,3 +48,25 @@ def set_tf32(device: str | torch.device, enabled: bool) -> None:
         return
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
+
+
+def cpu_threads(setting: int | str) -> int:
+    """torch's CPU threads for train.threads: a count > 0 as given; 0 (or OMP_NUM_THREADS set in the environment,
+    the user's own choice) leaves torch's; "auto": the cores this process may use that other processes leave free
+    now (the 1-minute load average, less the threads this process runs itself), at least 1. On a busy machine more
+    threads than free cores make each iteration far slower than the share of cores would (they wait on each other)."""
+    if setting == "auto":
+        if os.environ.get("OMP_NUM_THREADS"):
+            return torch.get_num_threads()
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        others = os.getloadavg()[0] - getattr(cpu_threads, "running", 0)
+        cpu_threads.running = max(1, min(cores, int(cores - max(others, 0.0) + 0.5)))
+        return cpu_threads.running
+    return int(setting) or torch.get_num_threads()
+
+
+def set_cpu_threads(setting: int | str) -> None:
+    """Apply cpu_threads(setting) (the trainer at start and, for "auto", at every iteration)."""
+    n = cpu_threads(setting)
+    if n != torch.get_num_threads():
+        torch.set_num_threads(n)

@@ -28,6 +28,7 @@ from mmrl.algorithms.objective import Batch
 from mmrl.algorithms.offpolicy import injection_diagnostics
 from mmrl.config import Config, sample_chunk
 from mmrl.data import Rollout, micro_batches, stratified_minibatches
+from mmrl.devices import set_cpu_threads
 from mmrl.distributed import Distributed, check_parallel_config
 from mmrl.errors import ConfigError
 from mmrl.evaluation import EVAL_BATCH, EVAL_SEED, evaluate_outputs
@@ -48,8 +49,7 @@ MAX_NONFINITE_STEPS = 3  # optimizer steps in a row with a non-finite gradient b
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = compose.checked(cfg)  # a config from load_config is not checked twice
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
+        set_cpu_threads(cfg.train.threads)
         check_parallel_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any weight loads
         self.dist = Distributed(cfg.train.parallel, cfg.train.context_parallel, cfg.train.cp_kind,
                                 cfg.train.dist_timeout_min, cfg.train.shard_size)
@@ -156,6 +156,8 @@ class Trainer:
         cfg, t, a = self.cfg, self.cfg.train, self.cfg.algo
         seed = derive_seed(t.seed, "iteration", it)  # per-iteration seeds: resuming needs no RNG state
         torch.manual_seed(seed)
+        if t.threads == "auto":
+            set_cpu_threads("auto")  # the cores other processes leave free now
         self.policy.iteration = it  # schedules that move with training (sampler.window_schedule=sliding)
         weights = self.reward.at_iteration(it)  # several rewards: their (scheduled) weights at this iteration
         with self.sampling_weights(it):
