@@ -13,6 +13,7 @@ same treatment as the built-in ones.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -271,8 +272,10 @@ def check_kwargs(registry: Registry, name: str, kwargs: dict, where: str, visit=
                           visit)
     unknown = sorted(set(kwargs) - set(params))
     if unknown and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        raise ConfigError(f"{where}.kwargs {unknown} not understood by {registry.axis} {name!r}; valid: "
-                          f"{sorted(k for k in params if k not in ('self', 'cfg', 'args', 'kwargs'))}")
+        valid = sorted(k for k in params if k not in ("self", "cfg", "args", "kwargs"))
+        close = [c for k in unknown for c in difflib.get_close_matches(k, valid, n=1)]
+        hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+        raise ConfigError(f"{where}.kwargs {unknown} not understood by {registry.axis} {name!r}; valid: {valid}{hint}")
     for key, value in kwargs.items() if visit else ():
         visit(f"{where}.kwargs.{key}", value)
 

@@ -149,6 +149,9 @@ def _build(cls, data: dict, where: str):
                 hint = f". Did you mean {OTHER_NAMES[key]!r}? (docs/python-api.md maps TRL's names to mmrl's)"
             path = f"{where}.{key}" if where else key  # the suggestion first: the list of keys is long
             valid = f"valid keys{' of ' + where if where else ''}: {sorted(names)}"
+            if len(names) > 10:  # a long section: the nearest keys, and where the schema lists them all
+                near = difflib.get_close_matches(key, list(names), n=5, cutoff=0.0)
+                valid = f"nearest keys of {where}: {near}; all {len(names)}: `mmrl/config.py` {cls.__name__}"
             raise ConfigError(f"unknown config key {path!r}{hint} ({valid})" if hint else
                               f"unknown config key {path!r}; {valid}")
         f = names[key]

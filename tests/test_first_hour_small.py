@@ -63,7 +63,7 @@ def test_plan_prints_no_diffusers_cast_warning():
 
 
 @pytest.mark.parametrize("override, suggestion, listing", [
-    ("train.learning_rate=1e-4", "Did you mean 'train.lr'?", "valid keys of train: ["),
+    ("train.learning_rate=1e-4", "Did you mean 'train.lr'?", "nearest keys of train: ["),
     ("reward.name=shape", "Did you mean 'shapes'?", "valid: ['aesthetic'"),
 ])
 def test_did_you_mean_comes_before_the_list(override, suggestion, listing, capsys):
