@@ -36,7 +36,8 @@ def add_sample_parser(subparsers):
     sp.add_argument("--prompts", nargs="+", action="extend", metavar="FILE_OR_TEXT",
                     help="prompt files (.txt: one per line; .jsonl: a \"prompt\" field) or literal prompts "
                          "(default: the first N held-out examples of the config's task)")
-    sp.add_argument("--n", type=int, default=8, help="held-out examples when no --prompts are given (default 8)")
+    sp.add_argument("--n", type=int, default=24, help="held-out examples when no --prompts are given, drawn evenly "
+                                                      "over the task's categories (default 24)")
     sp.add_argument("--seed", type=int, default=0, help="prompt i uses seed SEED + i (the same for every model)")
     sp.add_argument("--out", help="output folder (default runs/samples/<config stem>)")
     sp.add_argument("--base", action="store_true", help="also the config's base model (model.path), first")

@@ -7,7 +7,7 @@ prompt i uses seed S + i, so every model sees the same noise), and the config's 
 checkpoints/iter-N), a trainer checkpoint, its policy/ folder, or a model folder. `--base` puts the config's
 base model (model.path) first; without any CKPT the base is sampled alone. Prompts: .txt files (one per line,
 '#' comments), .jsonl files (a "prompt" field; the other fields go to the reward as they do from a task), or
-literal texts; default: the first N of the task's held-out examples.
+literal texts; default: N of the task's held-out examples, taken in turn from each category.
 
 Written into --out (default runs/samples/<config stem>):
     <model>/<i>.png          image i (flow policies on images)
@@ -58,7 +58,7 @@ def run(args) -> int:
     columns = ([("base", None)] if args.base or not ckpts else []) + list(zip(labels(ckpts), ckpts))
     check_base_model(cfg, [path for _, path in columns])
     prompts = [x for x in args.prompts or [] if not is_override(x)]
-    examples = read_prompts(prompts) if prompts else compose.build_task(cfg.task).eval_examples()[:args.n]
+    examples = read_prompts(prompts) if prompts else stratified(compose.build_task(cfg.task).eval_examples(), args.n)
     if not examples:
         raise ConfigError("no prompts: give --prompts FILE_OR_TEXT, or --n > 0")
     out = args.out or os.path.join("runs", "samples", os.path.splitext(os.path.basename(args.config))[0])
@@ -221,15 +221,47 @@ def sample(cfg, columns: list[tuple[str, str | None]], examples: list[dict], out
     return written
 
 
+def stratified(examples: list[dict], n: int) -> list[dict]:
+    """n held-out examples taken round-robin over their categories (each category's in the task's order), so a small
+    draw covers every category alike; examples without categories: the first n."""
+    by: dict = {}
+    for ex in examples:
+        by.setdefault(ex.get("category"), []).append(ex)
+    queues, out = [list(v) for v in by.values()], []
+    while len(out) < n and any(queues):
+        for q in queues:
+            if q and len(out) < n:
+                out.append(q.pop(0))
+    return out
+
+
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    """(mean, standard error) of xs."""
+    m = sum(xs) / len(xs)
+    return m, (sum((x - m) ** 2 for x in xs) / max(len(xs) - 1, 1) / len(xs)) ** 0.5
+
+
 def report(rows: list[dict], columns: list[tuple[str, str]], n: int, out: str, written: dict) -> None:
-    """Where everything went, and each model's mean reward."""
+    """Where everything went, each model's mean reward with its standard error, and each model's difference from the
+    first column (paired over prompts), or a note that the draw is too small to tell them apart."""
     print(f"{len(rows)} samples: {len(columns)} model(s) x {n} prompts in {out}/")
+    scores = {}
     for label, path in columns:
         mine = [r.get("overall") for r in rows if r["model"] == label]
         scored = [x for x in mine if x is not None]
-        mean = f"mean overall reward {sum(scored) / len(scored):.4f}" if scored else "unscored"
+        scores[label] = mine
+        mean = "mean overall reward {:.4f} ± {:.4f}".format(*mean_se(scored)) if scored else "unscored"
         mean += f" ({len(scored)} of {len(mine)} scored)" if scored and len(scored) < len(mine) else ""
         print(f"  {label}/  ({path}): {mean}")
+    first = columns[0][0]
+    for label, _ in columns[1:]:
+        pairs = [b - a for a, b in zip(scores[first], scores[label]) if a is not None and b is not None]
+        if len(pairs) < 2:
+            continue
+        d, se = mean_se(pairs)
+        tell = "a difference beyond 2 standard errors" if abs(d) > 2 * se else \
+            "too few prompts to tell them apart: more with --n"
+        print(f"  {label} - {first}: {d:+.4f} ± {se:.4f} (paired over {len(pairs)} prompts): {tell}")
     files = sorted({os.path.splitext(r[k])[1] for r in rows for k in ("file", "mp4") if k in r})
     if files:
         print(f"  files: {out}/<model>/<i>{{{','.join(files)}}}")

@@ -164,3 +164,17 @@ def test_token_policy_completions_with_rewards(tmp_path, tiny_arithmetic_lm):
     lines = rows(out)
     assert len(lines) == 3 and all(isinstance(r["completion"], str) and "overall" in r for r in lines)
     assert sorted(os.listdir(out)) == ["samples.jsonl"]
+
+
+def test_the_default_draw_covers_every_category_and_the_report_tells_a_difference(capsys):
+    """--n draws held-out examples in turn from each category; the report gives mean ± standard error and the paired
+    difference from the first column, saying when the draw cannot tell the two apart."""
+    exs = [{"prompt": f"{c}{i}", "category": c} for c in "abc" for i in range(4)]
+    assert [e["prompt"] for e in sample.stratified(exs, 5)] == ["a0", "b0", "c0", "a1", "b1"]
+    assert sample.stratified([{"prompt": "x"}] * 3, 5) == [{"prompt": "x"}] * 3
+    rows = [{"model": "base", "overall": x} for x in (0.0, 1.0, 0.0, 1.0)] + \
+           [{"model": "run", "overall": x} for x in (1.0, 1.0, 1.0, 1.0)]
+    sample.report(rows, [("base", "b"), ("run", "r")], 4, "out", {})
+    out = capsys.readouterr().out
+    assert "mean overall reward 0.5000 ± 0.2887" in out and "mean overall reward 1.0000 ± 0.0000" in out
+    assert "run - base: +0.5000 ± 0.2887 (paired over 4 prompts): too few prompts to tell them apart" in out
