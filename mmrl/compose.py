@@ -78,6 +78,11 @@ def check_choices(cfg: Config) -> Config:
 
         FAMILIES.check(cfg.model.family, "model.family")
     TASKS.check(cfg.task.name, "task.name")
+    reads = lambda name: getattr(TASKS[name], "reads_prompt_file", False)  # noqa: E731 (a task's declaration)
+    if cfg.task.prompt_file and ":" not in cfg.task.name and not reads(cfg.task.name):
+        readers = [n for n in TASKS if ":" not in n and reads(n)]
+        raise ConfigError(f"task.prompt_file is not read by task.name={cfg.task.name}, which draws its own prompts: "
+                          f"set task.name to one that reads it ({', '.join(readers)}), or remove task.prompt_file")
     for key in ("name", "eval_name"):
         if getattr(cfg.reward, key):
             REWARDS.check(getattr(cfg.reward, key), f"reward.{key}")

@@ -326,10 +326,6 @@ class Config:
         self._validate_ranges()
         if self.log.eval_draws < 1:
             raise ConfigError(f"log.eval_draws={self.log.eval_draws}: evaluate each example at least once (1 or more)")
-        if self.task.prompt_file and self.task.name != "prompt_file" and ":" not in self.task.name:  # built-in tasks
-            raise ConfigError(f"task.prompt_file is read by task.name=prompt_file only; task.name={self.task.name} "
-                              f"draws its own prompts: set task.name=prompt_file to train on the file, or remove "
-                              f"task.prompt_file")
         if self.task.name == "prompt_file" and not self.task.prompt_file and not self.task.kwargs.get("dataset"):
             raise ConfigError("task.name=prompt_file needs task.prompt_file=PATH (.txt one prompt per line, .jsonl / .csv "
                               "with a prompt field) or task.kwargs.dataset=NAME_OR_FOLDER (Hugging Face datasets)")

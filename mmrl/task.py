@@ -63,6 +63,8 @@ class PromptFileTask:
     Without eval_file or heldout_fraction, evaluation scores the training prompts (one warning says so).
     """
 
+    reads_prompt_file = True  # task.prompt_file: the prompts (a task that does not declare it is refused it at load)
+
     def __init__(self, cfg, eval_file: str | None = None, heldout_fraction: float | None = None, split_seed: int = 0,
                  dataset: str | None = None, split: str = "train", prompt_column: str = "prompt"):
         prompt_file = getattr(cfg, "prompt_file", None)

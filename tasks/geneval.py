@@ -91,6 +91,8 @@ class GenEvalTask:
     sample(n, rng) draws training rows uniformly; eval_examples() returns the held-out rows in file order.
     """
 
+    reads_prompt_file = True  # only to say where a GenEval path belongs (task.kwargs.metadata)
+
     def __init__(self, cfg=None, metadata: str | None = None, heldout_fraction: float | None = None,
                  split_seed: int = 0, tags: list[str] | None = None):
         if getattr(cfg, "prompt_file", None):

@@ -179,5 +179,5 @@ def test_numeric_keys_are_checked_at_load(item, match):
 
 def test_a_prompt_file_for_a_task_that_does_not_read_it_is_refused():
     """task.prompt_file on a config whose task draws its own prompts (shapes) was silently ignored."""
-    with pytest.raises(ValueError, match="task.prompt_file is read by task.name=prompt_file only; task.name=shapes"):
+    with pytest.raises(ValueError, match="task.prompt_file is not read by task.name=shapes, which draws its own"):
         load_config("configs/t2i/shapes_grpo.yaml", ["task.prompt_file=prompts.txt"])

@@ -172,5 +172,5 @@ def test_context_parallel_configs_are_refused_before_loading(wan_folders, tmp_pa
         check_parallel_config(cfg("train.context_parallel=2", "train.prompts_per_iter=1", "train.group_size=4"), 4)
     with pytest.raises(ValueError, match="needs a diffusers pipeline folder with transformer/config.json"):
         check_parallel_config(cfg("train.context_parallel=2", path=tmp_path), 2)
-    with pytest.raises(ValueError, match="token policies: set train.context_parallel=1"):
+    with pytest.raises(ValueError, match=r"denoising steps \(model.policy=flow\): set train.context_parallel=1"):
         load_config(None, ["model.policy=token", "train.context_parallel=2"])
