@@ -156,9 +156,10 @@ def run(args) -> int:
 
         return serve_main(args)
     if args.cmd == "export":
-        from mmrl.export import export
+        from mmrl.export import export, how_to_load
 
-        print(export(args.checkpoint, args.out))
+        out = export(args.checkpoint, args.out)
+        print(f"exported to {out}\nload it with: {how_to_load(out)}")
         return 0
     if args.cmd == "sample":
         from mmrl.sample import run as sample

@@ -40,6 +40,36 @@ def export(checkpoint: str, out: str) -> str:
     return out
 
 
+def diffusers_index(out: str) -> None:
+    """Make mmrl's pixel image model folder `out` a diffusers pipeline folder: its model_index.json names each
+    component's library and class (mmrl's loader reads the same file), and mmrl/models/pixel_pipeline.py goes beside
+    it as pipeline.py (`DiffusionPipeline.from_pretrained(out, custom_pipeline=out)`)."""
+    import shutil
+
+    import diffusers
+
+    path = os.path.join(out, "model_index.json")
+    index = json.load(open(path))
+    index.update(_diffusers_version=diffusers.__version__, transformer=["diffusers", "SD3Transformer2DModel"],
+                 text_encoder=["transformers", "CLIPTextModelWithProjection"],
+                 tokenizer=["transformers", "PreTrainedTokenizerFast"],
+                 scheduler=["diffusers", "FlowMatchEulerDiscreteScheduler"])
+    with open(path, "w") as f:
+        json.dump(index, f, indent=2)
+    shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "pixel_pipeline.py"),
+                os.path.join(out, "pipeline.py"))
+
+
+def how_to_load(out: str) -> str:
+    """How to load an exported folder, for `mmrl export` to print."""
+    if os.path.isfile(os.path.join(out, "pipeline.py")):
+        return (f'DiffusionPipeline.from_pretrained("{out}", custom_pipeline="{out}", trust_remote_code=True)  '
+                f'# diffusers; the code it trusts is {out}/pipeline.py, written by mmrl')
+    if os.path.isfile(os.path.join(out, "model_index.json")):
+        return f'DiffusionPipeline.from_pretrained("{out}")  # diffusers'
+    return f'AutoModel.from_pretrained("{out}") / AutoProcessor.from_pretrained("{out}")  # transformers'
+
+
 def export_diffusers(checkpoint: str, meta: dict, out: str) -> None:
     import diffusers
 
@@ -57,6 +87,8 @@ def export_diffusers(checkpoint: str, meta: dict, out: str) -> None:
             model.transformer.unload_lora()
         model.transformer.save_pretrained(os.path.join(out, "transformer"))
         _link_base_parts(base, out)
+        if type(model.transformer).__name__ == "SD3Transformer2DModel":  # an image model: loadable by diffusers
+            diffusers_index(out)
         return
     pipe = getattr(diffusers, cls).from_pretrained(base)
     if meta["lora"]:
