@@ -19,9 +19,11 @@ from __future__ import annotations
 import json
 import os
 
-from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, WanTransformer3DModel
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import CLIPTextConfig, CLIPTextModelWithProjection, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the libraries load in the builders: a family's registration (mmrl validate) needs none of them
+    from diffusers import SD3Transformer2DModel, WanTransformer3DModel
+    from transformers import CLIPTextModelWithProjection, PreTrainedTokenizerFast
 
 PIPELINE_CLASS = "MMRLPixelPipeline"
 # <eos> must not get id 2: transformers' CLIP text model then takes its pooled embedding at the HIGHEST token id
@@ -33,6 +35,9 @@ MAX_TOKENS = 16
 
 def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
     """Word-level tokenizer over `words` (lower-cased, whitespace split) with BOS/EOS/PAD/UNK."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {t: i for i, t in enumerate(SPECIALS + sorted(set(words)))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -44,6 +49,8 @@ def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
 
 
 def build_text_encoder(tokenizer: PreTrainedTokenizerFast, width: int = 64, layers: int = 2) -> CLIPTextModelWithProjection:
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
     cfg = CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width,
                          num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=MAX_TOKENS,
                          projection_dim=width, bos_token_id=tokenizer.bos_token_id,
@@ -62,6 +69,8 @@ TRANSFORMER_SIZES = {
 def build_transformer(size: str, sample_size: int, text_width: int, patch_size: int = 2) -> SD3Transformer2DModel:
     if size not in TRANSFORMER_SIZES:
         raise ValueError(f"unknown transformer size {size!r}; valid: {sorted(TRANSFORMER_SIZES)}")
+    from diffusers import SD3Transformer2DModel
+
     return SD3Transformer2DModel(sample_size=sample_size, patch_size=patch_size, in_channels=3, out_channels=3,
                                  joint_attention_dim=text_width, pooled_projection_dim=text_width,
                                  pos_embed_max_size=sample_size // patch_size, **TRANSFORMER_SIZES[size])
@@ -80,6 +89,8 @@ def build_video_transformer(size: str, text_width: int, patch_size: int = 4,
     coordinates: 3 more input channels for `mmrl.models.pipelines.wan_coord_call` (absolute positions)."""
     if size not in VIDEO_SIZES:
         raise ValueError(f"unknown transformer size {size!r}; valid: {sorted(VIDEO_SIZES)}")
+    from diffusers import WanTransformer3DModel
+
     return WanTransformer3DModel(patch_size=(1, patch_size, patch_size), in_channels=6 if coordinates else 3,
                                  out_channels=3,
                                  text_dim=text_width, freq_dim=64, cross_attn_norm=True,
@@ -90,6 +101,8 @@ def build_pipeline_parts(words: list[str], size: str = "small", sample_size: int
                          text_layers: int = 2, patch_size: int = 2, frames: int = 0, coordinates: bool = False) -> dict:
     """frames > 0 builds the video model (clips of `frames` frames; with coordinate input channels if asked),
     else the image model."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
     tokenizer = build_tokenizer(words)
     text_width = text_width if size != "tiny" else 16
     transformer = (build_video_transformer(size, text_width, patch_size, coordinates) if frames else
