@@ -258,8 +258,9 @@ def policy_folder(checkpoint: str) -> str | None:
         manifest = os.path.isfile(os.path.join(newest, cs.MANIFEST))
         checkpoint = newest_intact(runs, using="using") if manifest else newest
     if not os.path.isdir(checkpoint):
-        raise MissingFile(f"checkpoint {checkpoint!r} does not exist (give runs/NAME/checkpoints/iter-N, its "
-                          f"policy/ folder, or a model folder)")
+        hint = " (a run folder: `mmrl train CONFIG` writes it there first)" if checkpoint.startswith("runs") else ""
+        raise MissingFile(f"checkpoint {checkpoint!r} does not exist{hint}; give runs/NAME, runs/NAME/checkpoints/"
+                          f"iter-N, its policy/ folder, or a model folder")
     if os.path.isfile(os.path.join(checkpoint, "mmrl_policy.json")):  # a policy folder: a checkpoint's, or alone
         parent = os.path.dirname(os.path.normpath(checkpoint))
         if os.path.basename(os.path.normpath(checkpoint)) == "policy" and os.path.isfile(

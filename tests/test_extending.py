@@ -3,7 +3,6 @@ protocol checks, and `mmrl eval` scores the result: what the docs promise, run b
 
 import json
 import os
-import textwrap
 
 import pytest
 import torch
@@ -17,15 +16,8 @@ EXAMPLES = os.path.join(ROOT, "docs", "examples")
 def test_the_docs_examples_train_and_evaluate_from_yaml(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(EXAMPLES)
     out = tmp_path / "run"
-    cfg = tmp_path / "mine.yaml"
-    cfg.write_text(textwrap.dedent(f"""
-        model: {{policy: "tiny_generator:build", path: ""}}
-        task: {{name: "color_task:ColorTask", kwargs: {{colors: [red, green, blue], shapes: [circle, square]}}}}
-        reward: {{name: "brightness_reward:BrightnessReward", kwargs: {{target: 0.3}}}}
-        sampler: {{num_steps: 4, cfg_scale: 1.0, eval_cfg_scale: 1.0}}
-        train: {{iterations: 2, prompts_per_iter: 2, group_size: 4, lr: 1.0e-3}}
-        log: {{out_dir: {out}, tensorboard: false, progress: false, save_every: 1}}
-    """))
+    cfg = tmp_path / "mine.yaml"  # docs/examples/my_config.yaml, the docs' commands' config, writing into tmp_path
+    cfg.write_text(open(os.path.join(EXAMPLES, "my_config.yaml")).read().replace("runs/mine", str(out)))
     assert main(["validate", str(cfg)]) == 0
     assert main(["train", str(cfg)]) == 0
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]

@@ -39,6 +39,10 @@ def test_the_docs_code_is_in_the_markdown_and_matches_the_tested_examples():
     assert len(examples) >= 6
     stale = [f for f in examples if open(os.path.join(ROOT, "docs/examples", f)).read().strip("\n") not in blocks]
     assert stale == [], f"copy docs/examples/{stale[0]} into its ```python block in docs/*.md"
+    yaml_blocks = {b.strip("\n") for text in docs.values() for b in re.findall(r"^```yaml\n(.*?)^```$", text, re.M | re.S)}
+    configs = sorted(f for f in os.listdir(os.path.join(ROOT, "docs/examples")) if f.endswith(".yaml"))
+    assert configs and [f for f in configs if open(os.path.join(ROOT, "docs/examples", f)).read().strip("\n")
+                        not in yaml_blocks] == []  # the commands' configs exist and are shown whole
     assert "mmrl sample CONFIG OUT`" not in docs["sampling.md"]  # the second argument is the model to sample
 
 

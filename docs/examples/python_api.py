@@ -1,7 +1,7 @@
 """mmrl from Python: a config built in code, your own reward as a plain function, a short run, an evaluation.
 
     .venv/bin/python docs/examples/python_api.py            # ~3 minutes on 2 CPU cores
-    .venv/bin/python docs/examples/python_api.py --smoke    # seconds: 2 iterations on 12 prompts (the test)
+    .venv/bin/python docs/examples/python_api.py --smoke    # 2 iterations on 12 prompts (the test; 1-5 minutes)
 """
 
 import sys
