@@ -125,7 +125,7 @@ def run_mode(args) -> dict:
     torch.set_num_threads(args.threads)
     dist = None
     if args.ddp > 1:
-        from mmrl.distributed import Distributed
+        from mmrl.parallel.distributed import Distributed
 
         dist = Distributed("ddp")
     rank = dist.rank if dist is not None else 0

@@ -38,7 +38,7 @@ import torch
 
 from mmrl import checkpoint_state as cs
 from mmrl.config import SHARDED, to_dict
-from mmrl.shards import unsharded
+from mmrl.parallel.shards import unsharded
 from mmrl.errors import ConfigError, DamagedCheckpoint, MissingFile
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ def save_trainer(tr) -> str:
 def newest_intact(folder: str, dist=None, using: str = "resuming from") -> str | None:
     """The newest checkpoint under `folder` whose files match its manifest; a damaged newer one is skipped with a
     warning naming it, what is wrong, and the one used instead. None when there is no checkpoint; RuntimeError
-    (DamagedCheckpoint) when none is intact. dist (mmrl.distributed.Distributed): every rank calls it, each verifies its share of the
+    (DamagedCheckpoint) when none is intact. dist (mmrl.parallel.distributed.Distributed): every rank calls it, each verifies its share of the
     files and all get the same answer."""
     rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
     if rank == 0:

@@ -8,7 +8,7 @@ place means no `torch.compile(module)` wrapper: module names, `state_dict` keys,
 stay what they are, so checkpoints written with and without compilation are the same files.
 
 Which blocks: the classes a diffusers model declares in `_repeated_blocks` (diffusers' own list), else the items
-of the outermost block lists (`mmrl.shards.transformer_blocks`: diffusers `transformer_blocks`, transformers
+of the outermost block lists (`mmrl.parallel.shards.transformer_blocks`: diffusers `transformer_blocks`, transformers
 decoder `layers`, vision `blocks`). Classes are matched through the MRO, so FSDP2's renamed block classes
 (`FSDP<Block>`) and DDP's wrapper are seen through; diffusers' `compile_repeated_blocks` matches the class name
 alone and finds nothing under FSDP2, which is why it is not called directly.
@@ -26,7 +26,7 @@ import shutil
 
 import torch
 
-from mmrl.shards import transformer_blocks
+from mmrl.parallel.shards import transformer_blocks
 from mmrl.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -229,7 +229,7 @@ def _check_objective(cfg: Config) -> None:
 
 # ------------------------------------------------------------------------------------------------- building
 def build_policy(cfg: Config, dist=None):
-    """POLICIES[model.policy](cfg). `dist` (the run's mmrl.distributed.Distributed) goes to a builder that takes it:
+    """POLICIES[model.policy](cfg). `dist` (the run's mmrl.parallel.distributed.Distributed) goes to a builder that takes it:
     under FSDP on several processes the flow policy then builds its trained transformers without weights and loads
     them into shards when `parallelize` has sharded them, so no rank holds a whole copy at start-up."""
     factory = POLICIES[cfg.model.policy]

@@ -29,7 +29,7 @@ def evaluate_outputs(generate: Callable[[list[dict], int], object], examples: li
     """generate(examples_chunk, first_seed) -> outputs; example i uses seed `seed + i` (batch-size invariant).
     batch_size examples are generated and scored per call (the policy's own micro-batching applies within).
 
-    dist (mmrl.distributed.Distributed): with several processes each rank evaluates a contiguous share of the
+    dist (mmrl.parallel.distributed.Distributed): with several processes each rank evaluates a contiguous share of the
     examples and the scores are gathered, so every rank returns the single-process figures. Shares are padded
     to one length (the padding is scored and dropped), so every rank runs the same forwards (FSDP all-gathers).
 

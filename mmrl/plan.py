@@ -47,7 +47,7 @@ whole groups; minibatches are chunks of one global permutation, so a rank's rows
 all-gathers two blocks' weights at a time); hsdp shards them over a node's GPUs (train.shard_size; 0 = a node of
 PLAN_NODE_GPUS = 8, or all GPUs when fewer) and replicates across nodes, so a GPU holds what it would under fsdp on
 one node; ddp replicates them; a flow or Janus policy's frozen KL reference copy is sharded like them (not under
-model.offload, nor a token policy's). Context parallelism (mmrl/context_parallel.py) splits one forward's video tokens
+model.offload, nor a token policy's). Context parallelism (mmrl/parallel/context_parallel.py) splits one forward's video tokens
 cp ways: the transformer activations per GPU divide by cp, while rollouts, text encoders, VAE and its decode stay per
 rank. No wall-clock time is estimated: FLOPs and rows per GPU are given instead.
 """
@@ -68,8 +68,8 @@ from mmrl.config import SHARDED
 from mmrl.policy.kinds import kind_of
 from mmrl.registry import import_path
 from mmrl.devices import torch_dtype
-from mmrl.distributed import check_parallel_config
-from mmrl.shards import transformer_blocks
+from mmrl.parallel.distributed import check_parallel_config
+from mmrl.parallel.shards import transformer_blocks
 from mmrl.errors import ConfigError, MissingFile
 from mmrl.models.families import all_architectures, lora_targets
 from mmrl.plan_models import (Shapes, decode_peak, flow_model, frozen_parts, janus_frozen, janus_model, janus_scorer,
@@ -103,7 +103,7 @@ def _check_layout(cfg, world: int, cp: int, folder: bool) -> None:
         raise ConfigError(f"train.parallel=none on {world * cp} GPUs: every process would train alone. Set "
                           f"train.parallel=ddp (replicated weights) or fsdp (sharded weights; hsdp: within a node)")
     if cp > 1 and not getattr(_kind(cfg), "denoises", False):
-        raise ConfigError("--cp splits a flow transformer's video tokens (mmrl/context_parallel.py); token policies: --cp 1")
+        raise ConfigError("--cp splits a flow transformer's video tokens (mmrl/parallel/context_parallel.py); token policies: --cp 1")
     check_parallel_config(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, context_parallel=cp)),
                           world * cp, folder=folder)
     sharded_over(cfg.train, world * cp)  # hsdp: a shard group that divides the GPUs

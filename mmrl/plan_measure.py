@@ -143,12 +143,12 @@ def materialize(modules: list[torch.nn.Module]) -> None:
 
 
 def _sharder(size: int, parallel: str, mixed_precision: str):
-    """The trainer's own wrap (mmrl.distributed.Distributed.wrap) on the fake process group, and its no_sync. HSDP
+    """The trainer's own wrap (mmrl.parallel.distributed.Distributed.wrap) on the fake process group, and its no_sync. HSDP
     is measured as FSDP over one shard group (`size` = its ranks): a rank holds and gathers what it would there (its
     all-reduce across replicas runs on the reduce-scattered gradient shards; with several backwards per step it keeps
     one more fp32 gradient shard between them, not counted)."""
     from mmrl.config import SHARDED
-    from mmrl.distributed import Distributed
+    from mmrl.parallel.distributed import Distributed
 
     if size == 1 or parallel not in SHARDED:  # DDP replicates: its wrapper adds buckets, not counted
         return (lambda m: m), contextlib.nullcontext

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from mmrl.devices import torch_dtype
 from mmrl.models.decode_batch import LivePeak, decode_peak  # noqa: F401 - measured here, used by mmrl.plan
-from mmrl.shards import transformer_blocks
+from mmrl.parallel.shards import transformer_blocks
 from mmrl.errors import ConfigError
 
 

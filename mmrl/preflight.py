@@ -7,7 +7,7 @@ What is checked beyond the config's keys, types and registry names (mmrl.compose
 - every file the task and the rewards name (task.prompt_file, task.kwargs *_file / annotations / *_dir /
   durations, reward kwargs *_path / *_dir / *_file): exists; prompt files are UTF-8 (file:line of a bad byte);
 - every reward / task kwarg is one its factory takes (nested rewards and judges too);
-- the multi-process rules for N processes (mmrl.distributed.check_parallel_config);
+- the multi-process rules for N processes (mmrl.parallel.distributed.check_parallel_config);
 - `mmrl validate` builds the task as train does (compose.build_task: an empty prompt file, a JSONL line that is not
   JSON, a CSV without its prompt column, a held-out split that cannot be made ... fail here; `mmrl train` builds it
   once, first thing in the Trainer, before any weights load), except a task that writes its data (`writes_files = True`: the grounding world renders videos once, on
@@ -32,7 +32,7 @@ import os
 from mmrl import compose
 from mmrl.config import Config
 from mmrl.policy.kinds import kind_of
-from mmrl.distributed import check_parallel_config
+from mmrl.parallel.distributed import check_parallel_config
 from mmrl.errors import ConfigError, MissingFile, UserError
 from mmrl.metrics import check_report_to
 from mmrl.policy.base import is_hub_id, resolve_model_path

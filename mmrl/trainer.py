@@ -22,14 +22,15 @@ import torch
 from tqdm import tqdm
 
 from mmrl import checkpoint as ckpt
-from mmrl import compiled, compose, shards
+from mmrl import compiled, compose
+from mmrl.parallel import shards
 from mmrl.algorithms import ADVANTAGES
 from mmrl.algorithms.objective import Batch
 from mmrl.algorithms.offpolicy import injection_diagnostics
 from mmrl.config import Config, sample_chunk
 from mmrl.data import Rollout, micro_batches, stratified_minibatches
 from mmrl.devices import set_cpu_threads
-from mmrl.distributed import Distributed, check_parallel_config
+from mmrl.parallel.distributed import Distributed, check_parallel_config
 from mmrl.errors import ConfigError
 from mmrl.evaluation import EVAL_BATCH, EVAL_SEED, evaluate_outputs
 from mmrl.metrics import Logger, SignalWatch, Timer, per_category, perf

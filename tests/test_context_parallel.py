@@ -1,4 +1,4 @@
-"""Context (sequence) parallelism through diffusers' own API (mmrl/context_parallel.py), gloo on CPU: a tiny Wan2.1 and
+"""Context (sequence) parallelism through diffusers' own API (mmrl/parallel/context_parallel.py), gloo on CPU: a tiny Wan2.1 and
 a tiny Wan2.2 TI2V transformer split over cp = 2 processes sample the same chain, compute the same log-probs and,
 gradients summed over the cp group, the same gradients as one process; a dp = 2 x cp = 2 mesh matches too. The
 numbers are printed (pytest -s)."""
@@ -32,7 +32,7 @@ def tiny_wan():
 
 
 def test_checks_refuse_layouts_diffusers_cannot_run():
-    from mmrl.context_parallel import add_sequence_check, check_backend, check_cp, sequence_length
+    from mmrl.parallel.context_parallel import add_sequence_check, check_backend, check_cp, sequence_length
 
     check_cp(2, 4, num_heads=24, seq_len=27280)  # Wan2.2 5B, 121 frames at 704 x 1280: 31 x 22 x 40 tokens
     with pytest.raises(ValueError, match="must divide the world size 4"):
@@ -156,7 +156,7 @@ def test_the_trainer_with_context_parallelism_ends_where_one_process_ends(wan_fo
 
 def test_context_parallel_configs_are_refused_before_loading(wan_folders, tmp_path):
     from mmrl.compose import load_config
-    from mmrl.distributed import check_parallel_config
+    from mmrl.parallel.distributed import check_parallel_config
 
     def cfg(*over, path=wan_folders / "wan21"):
         return load_config(None, [f"model.path={path}", "train.parallel=ddp", *WAN_TASK, *over])

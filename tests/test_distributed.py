@@ -231,7 +231,7 @@ def test_collectives_run_without_a_cpu_backend_on_the_default_group(tiny_pixel_m
 
 def test_several_processes_refuse_what_they_cannot_run_before_loading(tmp_path):
     from mmrl.compose import load_config
-    from mmrl.distributed import check_parallel_config
+    from mmrl.parallel.distributed import check_parallel_config
 
     cfg = load_config("configs/tiny/flow_smoke.yaml", ["model.path=/nonexistent", "train.parallel=ddp"])
     check_parallel_config(cfg, 2)  # 2 groups for 2 processes: fine, and nothing was loaded
@@ -242,7 +242,7 @@ def test_several_processes_refuse_what_they_cannot_run_before_loading(tmp_path):
 
 
 def test_a_launched_process_without_parallel_refuses(monkeypatch):
-    from mmrl.distributed import Distributed
+    from mmrl.parallel.distributed import Distributed
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="train.parallel=ddp or fsdp"):

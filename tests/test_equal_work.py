@@ -6,7 +6,7 @@ import torch
 
 from mmrl.compose import load_config
 from mmrl.data import Rollout, stratified_minibatches
-from mmrl.distributed import Distributed
+from mmrl.parallel.distributed import Distributed
 from mmrl.trainer import Trainer
 
 

@@ -104,7 +104,7 @@ def test_plan_shards_over_a_node_under_hsdp():
 
 def test_hsdp_keys_are_checked():
     from mmrl.compose import load_config
-    from mmrl.distributed import _shard_size
+    from mmrl.parallel.distributed import _shard_size
 
     with pytest.raises(ValueError, match="train.shard_size=2 sets the shard group of train.parallel=hsdp"):
         load_config("configs/tiny/flow_smoke.yaml", ["train.parallel=fsdp", "train.shard_size=2"])

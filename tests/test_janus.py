@@ -387,7 +387,7 @@ def worker(model: str, out: str, parallel: str, tuning: str = "full") -> None:
     from safetensors.torch import save_file
 
     from mmrl.compose import load_config
-    from mmrl.shards import full
+    from mmrl.parallel.shards import full
     from mmrl.trainer import Trainer
 
     from safetensors.torch import load_file as load_weights

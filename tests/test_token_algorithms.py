@@ -81,7 +81,7 @@ def test_dynamic_sampling_refills_zero_std_groups(tmp_path):
 
     cfg = load_config(None, ["train.prompts_per_iter=4", "train.group_size=2", "algo.dynamic_sampling=true",
                              "algo.dynamic_sampling_tries=3", f"log.out_dir={tmp_path}"])
-    from mmrl.distributed import Distributed
+    from mmrl.parallel.distributed import Distributed
     from mmrl.metrics import Timer
     from mmrl.rollout.collect import Collector
 

@@ -151,7 +151,7 @@ class FlowModel:
 
 
 def expert_lockstep(parallel: str, dist) -> Callable[[list[bool]], list[bool]]:
-    """FlowModel.lockstep of two experts trained under `parallel` (ddp | fsdp | hsdp) by `dist` (mmrl.distributed):
+    """FlowModel.lockstep of two experts trained under `parallel` (ddp | fsdp | hsdp) by `dist` (mmrl.parallel.distributed):
     the experts a training call runs on every rank, given this rank's need. A backward that synchronizes gradients
     runs both under DDP and HSDP (DDP's reducer waits for every parameter; HSDP all-reduces across nodes the shards
     every backward of the step accumulated); otherwise FSDP2 and HSDP run those some rank needs (each call

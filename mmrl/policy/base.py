@@ -67,7 +67,7 @@ class PolicyDefaults:
     scores_actions = False
     defer_old_log_prob = False
     iteration = 0  # the trainer's iteration, set before each rollout (schedules that move with training read it)
-    dist = None    # mmrl.distributed.Distributed of a multi-process run (set by the trainer before parallelize)
+    dist = None    # mmrl.parallel.distributed.Distributed of a multi-process run (set by the trainer before parallelize)
     reads = None   # the PolicyOutput.stats the trainer's objective reads (Objective.reads; None: all): a policy may
                    # build only these
 

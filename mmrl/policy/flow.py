@@ -522,8 +522,8 @@ class FlowPolicy(PolicyDefaults):
 
     def context_parallel(self, mesh, kind: str) -> None:
         """Each transformer (and a frozen KL reference copy) runs its calls split over the mesh's cp ranks through
-        diffusers' context parallelism (mmrl/context_parallel.py); every rank of a cp group passes the same rows."""
-        from mmrl.context_parallel import enable_context_parallel
+        diffusers' context parallelism (mmrl/parallel/context_parallel.py); every rank of a cp group passes the same rows."""
+        from mmrl.parallel.context_parallel import enable_context_parallel
 
         for tr in [tr for _, tr in self.experts()] + list((self._ref_copy or {}).values()):
             enable_context_parallel(tr, mesh["cp"].size(), mesh, kind)

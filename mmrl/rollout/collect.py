@@ -1,5 +1,5 @@
 """One iteration's rollout: this rank's whole groups sampled and scored, with global group ids (several processes:
-mmrl/distributed.py). DAPO dynamic sampling decides from every rank's groups, so all ranks decide alike; reward
+mmrl/parallel/distributed.py). DAPO dynamic sampling decides from every rank's groups, so all ranks decide alike; reward
 overlap workers score a chunk while the next one samples.
 """
 

@@ -48,7 +48,7 @@ def velocity(transformer, x, sigma, enc, per_token: bool):
     """x [N, C, F', H, W], sigma [N], enc [N, L, 32] -> v [N, C, F', H, W] (fp32)."""
     t = sigma * 1000
     if per_token:  # Wan2.2 TI2V: one timestep per video token, [N, S]
-        from mmrl.context_parallel import sequence_length
+        from mmrl.parallel.context_parallel import sequence_length
 
         t = t[:, None].expand(-1, sequence_length(transformer, x.shape))
     return transformer(hidden_states=x, timestep=t, encoder_hidden_states=enc, return_dict=False)[0].float()
@@ -141,7 +141,7 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    from mmrl.context_parallel import build_mesh, enable_context_parallel, reduce_gradients
+    from mmrl.parallel.context_parallel import build_mesh, enable_context_parallel, reduce_gradients
 
     rank, world = dist.get_rank(), dist.get_world_size()
     transformer = build(args.model)

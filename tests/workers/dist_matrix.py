@@ -111,7 +111,7 @@ def main():
     from safetensors.torch import save_file
 
     from mmrl.compose import load_config
-    from mmrl.shards import gather_to
+    from mmrl.parallel.shards import gather_to
     from mmrl.trainer import Trainer
 
     os.makedirs(args.out, exist_ok=True)

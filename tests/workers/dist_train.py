@@ -54,7 +54,7 @@ def main():
     from safetensors.torch import save_file
 
     from mmrl.compose import load_config
-    from mmrl.shards import full
+    from mmrl.parallel.shards import full
     from mmrl.trainer import Trainer
 
     common = [f"model.path={args.model}", f"log.out_dir={os.path.dirname(args.out)}/run-{args.parallel}{'-resume' if args.resume_at else ''}",

@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 
 def shared_check(run0: str, run1: str) -> None:
     from mmrl.checkpoint import check_shared_run_dir
-    from mmrl.distributed import Distributed
+    from mmrl.parallel.distributed import Distributed
     from mmrl.errors import ConfigError
 
     d = Distributed("ddp")
@@ -54,7 +54,7 @@ def main():
     from safetensors.torch import save_file
 
     from mmrl.compose import load_config
-    from mmrl.shards import full
+    from mmrl.parallel.shards import full
     from mmrl.trainer import Trainer
 
     cfg = load_config(os.path.join(ROOT, "configs/tiny/flow_smoke.yaml"), [

@@ -31,7 +31,7 @@ def main():
     from safetensors.torch import save_file
 
     from mmrl.compose import load_config
-    from mmrl.shards import full
+    from mmrl.parallel.shards import full
     from mmrl.policy.flow import FlowPolicy
     from mmrl.trainer import Trainer
 
@@ -69,7 +69,7 @@ def main():
 def full_report(tr, model: str, seen: dict) -> dict:
     from safetensors.torch import load_file
 
-    from mmrl.shards import full
+    from mmrl.parallel.shards import full
 
     live = list(tr.policy.model.transformer.parameters())
     ref = list(tr.policy._ref_copy["transformer"].parameters())
@@ -98,7 +98,7 @@ def lora_report(cfg, tr, model: str, seen: dict) -> dict:
     from safetensors.torch import load_file
 
     from mmrl.compose import build_policy
-    from mmrl.shards import full
+    from mmrl.parallel.shards import full
     from mmrl.models.shard_load import file_key, is_adapter
 
     named = dict(tr.policy.model.transformer.named_parameters())

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from mmrl.config import SHARDED
 from mmrl.errors import ConfigError
-from mmrl.shards import transformer_blocks
+from mmrl.parallel.shards import transformer_blocks
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def check_parallel_config(cfg, world: int, folder: bool = True) -> None:
     t, kind = cfg.train, kind_of(cfg.model.policy)
     cp = t.context_parallel
     if cp > 1:
-        from mmrl.context_parallel import check_cp, check_model_folder
+        from mmrl.parallel.context_parallel import check_cp, check_model_folder
 
         if world < cp:
             raise ConfigError(f"train.context_parallel={cp} splits each forward over {cp} processes; launch a multiple "
@@ -121,7 +121,7 @@ class Distributed:
             self.group = None if _serves(self.device) else self.cpu_group
             self.shard_size = _shard_size(parallel, shard_size, self.world)
             if self.cp > 1:  # (dp, cp) mesh: the cp ranks of one dp row are adjacent and hold the same rows
-                from mmrl.context_parallel import build_mesh
+                from mmrl.parallel.context_parallel import build_mesh
 
                 self.mesh = build_mesh(self.cp, self.world, self.device.type)
         elif launched():
