@@ -239,7 +239,8 @@ class TrainConfig:
     seed: int = 0
     zero_signal_patience: int = 5  # warn when this many iterations in a row have all-zero advantages (nothing learned)
     threads: int | str = "auto"   # torch CPU threads: auto = the cores other processes leave free (the load average,
-                                  # re-read every iteration; OMP_NUM_THREADS set: that), a count, or 0 = torch's
+                                  # re-read every iteration; OMP_NUM_THREADS set: that), a count, or 0 = torch's.
+                                  # CPU sums depend on the thread count: set a count for bit-identical reruns
     time_budget_min: float = 0.0  # stop after this many minutes of training (0 = no limit)
     parallel: str = "none"        # several processes (torchrun / accelerate launch): ddp | fsdp (FSDP2 fully_shard
                                   # over all ranks) | hsdp (hybrid: FSDP2 shards within a node of train.shard_size

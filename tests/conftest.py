@@ -8,6 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # train.threads=auto follows it: runs the tests compare use one thread
 torch.set_num_threads(1)
 
 # The fast tier, `pytest -m unit` (seconds): the pure tests of formulas, configs, layering and docs, which build at
