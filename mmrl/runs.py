@@ -100,10 +100,12 @@ def prepare_run_dir(cfg: Config, resume: bool = False, overwrite: bool = False, 
 
 
 def finished(cfg: Config) -> dict | None:
-    """results.json of the run in log.out_dir when it has done train.iterations (its newest checkpoint is the last
-    iteration's), else None."""
+    """results.json of the run in log.out_dir when it has done train.iterations (its newest checkpoint, intact, is
+    the last iteration's), else None (a damaged newest checkpoint: the resume falls back and trains again)."""
+    from mmrl.checkpoint_state import verify
+
     path, ck = os.path.join(cfg.log.out_dir, "results.json"), latest(os.path.join(cfg.log.out_dir, "checkpoints"))
-    if not (os.path.isfile(path) and ck):
+    if not (os.path.isfile(path) and ck) or verify(ck):
         return None
     results = json.load(open(path))
     step = int(os.path.basename(ck.rstrip("/")).rpartition("-")[2])
