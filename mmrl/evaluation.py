@@ -18,7 +18,7 @@ EVAL_BATCH = 64  # prompts per held-out evaluation batch (the trainer's, mmrl ev
 log = logging.getLogger(__name__)
 
 EVAL_SEED = 10_000  # held-out example i is generated with seed EVAL_SEED + i (trainer and `mmrl eval` alike)
-PROGRESS_S = 15.0  # without a bar (a log file), a progress line at least this often (the first one at once)
+PROGRESS_S = 5.0  # without a bar (a log file), a progress line at least this often (the first one at once)
 NOT_METRICS = ("per_category", "n", "se", "scores", "seconds", "draws")  # result keys that are not a reward key's mean
 
 
@@ -102,13 +102,17 @@ class Heartbeat:
             self.line()
 
     def __enter__(self):
+        self.thread = None
         if self.enabled:
             self.line()
-            threading.Thread(target=self.run, name="eval-progress", daemon=True).start()
+            self.thread = threading.Thread(target=self.run, name="eval-progress", daemon=True)
+            self.thread.start()
         return self
 
     def __exit__(self, *exc):
         self.stop.set()
+        if self.thread is not None:  # no line after the evaluation has returned
+            self.thread.join()
 
 
 def standard_error(xs: list[float]) -> float:

@@ -106,8 +106,9 @@ def format_table(results: dict) -> str:
     """The end-of-run table for people, from results (with results["summary"])."""
     s, after, before = results["summary"], results["eval_end"], results.get("eval_start")
     v, keys = s["verdict"], metric_keys(after)
-    lines = [f"{s['iterations']} iterations (train.iterations={s['iterations_planned']}) in {_duration(s['seconds'])}"
-             f" ({s['train_minutes']:.1f} min training)"]
+    # seconds: this command's wall time; train_minutes: the run's training in all (a resumed run's included)
+    lines = [f"{s['iterations']} iterations (train.iterations={s['iterations_planned']}): {s['train_minutes']:.1f} min "
+             f"of training in all; this command took {_duration(s['seconds'])}"]
     if s.get("short"):
         lines.append(f"NOTE: {s['short']}")
     rows = [(k, before.get(k) if before else None, after[k]) for k in keys]

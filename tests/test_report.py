@@ -58,7 +58,8 @@ def test_the_end_of_run_table():
                       command="mmrl train configs/quickstart.yaml log.out_dir=runs/q train.iterations=40")
     table = format_table(res)
     print(table)
-    assert table.splitlines()[0] == "3 iterations (train.iterations=40) in 2 min 05 s (1.5 min training)"
+    assert table.splitlines()[0] == ("3 iterations (train.iterations=40): 1.5 min of training in all; this command "
+                                     "took 2 min 05 s")  # after a resume the two differ, and say which is which
     assert re.search(r"^overall\s+0\.500\s+0\.550$", table, re.M) and re.search(r"^strict\s+0\.250\s+0\.275$", table, re.M)
     assert re.search(r"^  single_object \(overall, n=2\)\s+0\.600\s+0\.700$", table, re.M)
     assert "verdict: too few iterations to tell: overall 0.500 -> 0.550, change +0.050 ± 0.096" in table
