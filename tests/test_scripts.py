@@ -24,7 +24,8 @@ def run(*args):
                                     "scripts/bench_text_length.py", "scripts/bench_judges.py",
                                     "scripts/bench_vlm_rewards.py", "scripts/geneval_agreement.py",
                                     "scripts/turn_rule_noise.py", "scripts/flux_nan_matrix.py",
-                                    "benchmarks/bench_cfg_grad.py", "benchmarks/bench_compile.py"])
+                                    "benchmarks/bench_cfg_grad.py", "benchmarks/bench_compile.py",
+                                    "scripts/architecture_counts.py"])
 def test_help(script):
     r = run(script, "--help")
     assert r.returncode == 0 and "usage" in r.stdout
@@ -236,3 +237,13 @@ def test_turn_rule_noise_by_hand():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert r.returncode == 0 and out["sigma"] == pytest.approx((10 / 3) ** 0.5, abs=1e-4)
     assert [row["draws"] for row in out["rows"]] == [1, 4] and out["rows"][1]["p_seed"] < out["rows"][0]["p_seed"]
+
+
+def test_architecture_counts_names_where_each_check_sits():
+    """scripts/architecture_counts.py: no policy-kind name is compared outside mmrl/policy (the one hit is a
+    transformers model_type, not a kind), and each counted line is named."""
+    r = run("scripts/architecture_counts.py")
+    assert r.returncode == 0, r.stderr[-2000:]
+    c = json.loads(r.stdout.strip().splitlines()[-1])
+    assert c["where_kind"] == [x for x in c["where_kind"] if x.startswith("mmrl/plan_models.py")]
+    assert c["parallel_checks"] == len(c["where_parallel"]) and "parallel" in c["top_level"]
