@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections import defaultdict
 from typing import Callable
 
 import torch
 from tqdm import tqdm
+
+from mmrl.metrics import Pulse
 
 EVAL_BATCH = 64  # prompts per held-out evaluation batch (the trainer's, mmrl eval's and mmrl sample's)
 
@@ -85,34 +86,22 @@ def evaluate_outputs(generate: Callable[[list[dict], int], object], examples: li
     return out
 
 
-class Heartbeat:
-    """`evaluating: done/total (s)` through logging at once and every PROGRESS_S seconds from a daemon thread, so a
-    batch that takes minutes still shows a pulse in a log file; `done` counts this rank's examples (x world)."""
+class Heartbeat(Pulse):
+    """`evaluating: done/total (s)` through logging at once and every PROGRESS_S seconds (a Pulse), so a batch that
+    takes minutes still shows a pulse in a log file; `done` counts this rank's examples (x world)."""
 
     def __init__(self, total: int, world: int = 1, enabled: bool = True):
-        self.total, self.world, self.enabled, self.done = total, world, enabled, 0
-        self.stop, self.t0 = threading.Event(), time.monotonic()
+        super().__init__(self.line, PROGRESS_S, enabled)
+        self.total, self.world, self.done, self.t0 = total, world, 0, time.monotonic()
 
     def line(self) -> None:
         log.info("evaluating: %d/%d (%.0f s)", min(self.done * self.world, self.total), self.total,
                  time.monotonic() - self.t0)
 
-    def run(self) -> None:
-        while not self.stop.wait(PROGRESS_S):
-            self.line()
-
     def __enter__(self):
-        self.thread = None
         if self.enabled:
             self.line()
-            self.thread = threading.Thread(target=self.run, name="eval-progress", daemon=True)
-            self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        if self.thread is not None:  # no line after the evaluation has returned
-            self.thread.join()
+        return super().__enter__()
 
 
 def standard_error(xs: list[float]) -> float:

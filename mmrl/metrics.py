@@ -12,6 +12,7 @@ import logging
 import os
 import pathlib
 import re
+import threading
 import time
 import uuid
 
@@ -345,11 +346,40 @@ def perf(t, seconds: float) -> dict:
     return out
 
 
+class Pulse:
+    """`say()` every `every` seconds from a daemon thread while the block runs (the first after `every` seconds), so
+    long work shows a line in a log file; the thread is joined on exit, so no line comes after the block."""
+
+    def __init__(self, say, every: float, enabled: bool = True):
+        self.say, self.every, self.enabled, self.stop, self.thread = say, every, enabled, threading.Event(), None
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every):
+            self.say()
+
+    def __enter__(self):
+        if self.enabled:
+            self.thread = threading.Thread(target=self._run, name="pulse", daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
+
+
 class Timer:
-    """Accumulates wall time per phase: `with timer("rollout"): ...`; `timer.pop()` -> {"time/rollout": s}."""
+    """Accumulates wall time per phase: `with timer("rollout"): ...`; `timer.pop()` -> {"time/rollout": s};
+    `timer.phase`: the innermost phase running now (None between phases)."""
 
     def __init__(self):
         self.t: dict[str, float] = {}
+        self.running: list[str] = []
+
+    @property
+    def phase(self) -> str | None:
+        return self.running[-1] if self.running else None
 
     def __call__(self, name: str):
         timer = self
@@ -357,8 +387,10 @@ class Timer:
         class _Ctx:
             def __enter__(self):
                 self.t0 = time.perf_counter()
+                timer.running.append(name)
 
             def __exit__(self, *exc):
+                timer.running.pop()
                 timer.t[name] = timer.t.get(name, 0.0) + time.perf_counter() - self.t0
 
         return _Ctx()

@@ -33,7 +33,7 @@ from mmrl.devices import set_cpu_threads
 from mmrl.parallel.distributed import Distributed, check_parallel_config
 from mmrl.errors import ConfigError
 from mmrl.evaluation import EVAL_BATCH, EVAL_SEED, evaluate_outputs
-from mmrl.metrics import Logger, SignalWatch, Timer, per_category, perf
+from mmrl.metrics import Logger, Pulse, SignalWatch, Timer, per_category, perf
 from mmrl.micro_batch import resolve_micro_batch
 from mmrl.rollout.collect import Collector
 from mmrl.train_stats import PassStats
@@ -44,6 +44,7 @@ from mmrl.report import log_evaluation
 from mmrl.reward import RewardRunner
 
 log = logging.getLogger(__name__)
+ITERATION_PULSE_S = 10.0  # without bars (a log file): a line naming the phase every this many s of an iteration
 MAX_NONFINITE_STEPS = 3  # optimizer steps in a row with a non-finite gradient before the run stops
 
 
@@ -117,7 +118,11 @@ class Trainer:
                 for g in self.opt.param_groups:
                     g["lr"] = lr
                 t_it = time.time()
-                metrics = {**self.step(it), "train/lr": lr, **perf(t, time.time() - t_it)}
+                say = lambda: log.info("iteration %d/%d: %s, %.0f s so far", it + 1, t.iterations,  # noqa: E731
+                                       self.timer.phase or "between phases", time.time() - t_it)
+                with Pulse(say, ITERATION_PULSE_S, enabled=not cfg.log.progress and self.dist.main):  # a log file
+                    step = self.step(it)
+                metrics = {**step, "train/lr": lr, **perf(t, time.time() - t_it)}
                 self.iteration = it + 1
                 self.elapsed_min, stopping = self.dist.decide((time.time() - t_start) / 60, stop.signum is not None)
                 bar.set_postfix(reward=f"{metrics['reward/overall_mean']:.3f}")

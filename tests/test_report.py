@@ -147,3 +147,21 @@ def test_noise_draws_merge_by_hand():
     assert res["per_category"]["b"] == pytest.approx({"n": 2, "overall": 1 / 3}, abs=1e-4)
     one = evaluate_outputs(generate, examples, reward, seed=0, progress=None)  # one draw: the evaluation itself
     assert "draws" not in one and one == evaluate_outputs(generate, examples, reward, seed=0, progress=None, draws=1)
+
+
+def test_a_long_iteration_says_what_it_is_doing_in_a_log_file(tiny_pixel_model, tmp_path, monkeypatch, caplog):
+    """Without bars (a log file) an iteration that runs longer than ITERATION_PULSE_S logs which phase it is in
+    (rollout, reward, train ...) every ITERATION_PULSE_S seconds, then its one summary line; nothing after it."""
+    from mmrl import trainer as trainer_module
+    from mmrl.compose import load_config
+
+    monkeypatch.setattr(trainer_module, "ITERATION_PULSE_S", 0.05)
+    cfg = load_config("configs/tiny/flow_smoke.yaml", [f"model.path={tiny_pixel_model}", f"log.out_dir={tmp_path}",
+                      "log.tensorboard=false", "log.progress=false", "log.eval_at_start=false", "train.iterations=1",
+                      "task.eval_prompts=2"])
+    with caplog.at_level(logging.INFO, logger="mmrl.trainer"):
+        trainer_module.Trainer(cfg).fit()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("iteration 1/1")]
+    pulses = [x for x in lines if "s so far" in x]
+    assert pulses and {x.split(": ")[1].split(",")[0] for x in pulses} & {"rollout", "reward", "train"}
+    assert "reward" in lines[-1] and "so far" not in lines[-1]  # the summary line comes last
