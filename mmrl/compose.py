@@ -22,12 +22,12 @@ from mmrl.algorithms import (ADVANTAGES, CREDIT_ASSIGNMENTS, KL_ESTIMATORS, LOSS
                              RATIO_TRANSFORMS, REWARD_AGGREGATIONS, REWARD_SHAPINGS, WEIGHTINGS)
 from mmrl.algorithms.objective import build_objective
 from mmrl.algorithms.shaping import build_shaping
-from mmrl.config import Config, TaskConfig, choice as _choice
+from mmrl.config import Config, TaskConfig, choice
 from mmrl.config_files import parse_config
 from mmrl.devices import resolve_device, set_tf32
 from mmrl.errors import ConfigError
 from mmrl.policy import POLICIES
-from mmrl.policy.kinds import KINDS, kind_keys, kind_of
+from mmrl.policy.kinds import kind_keys, kind_of
 from mmrl.registry import Registry
 from mmrl.reward import REWARDS, FunctionReward, plain_function_args, weight_schedule
 from mmrl.rollout.engine import ENGINES
@@ -104,7 +104,7 @@ def check_choices(cfg: Config) -> Config:
     _check_objective(cfg)
     _check_reads(cfg)
     ENGINES.check(cfg.sampler.engine, "sampler.engine")  # a registered engine, or a user's own by import path
-    _choice("tree.fusion", cfg.tree.fusion, FUSIONS)
+    choice("tree.fusion", cfg.tree.fusion, FUSIONS)
     if cfg.tree.split_steps:
         split_schedule(cfg.sampler.num_steps, cfg.tree.split_steps)
         if cfg.sampler.ode_stride > 1 or cfg.sampler.ode_solver != "euler":
@@ -123,14 +123,13 @@ def _check_kind(cfg: Config, kind) -> None:
         a.adv_std = kind.adv_std if kind is not None else "population"
     if kind is None:
         return
-    others = {k.name: k for k in KINDS.values() if k is not kind}
     for section, readers in kind_keys().items():
         default = type(getattr(cfg, section))()
         for key, names in readers.items():
             if kind.name not in names and getattr(getattr(cfg, section), key) != getattr(default, key):
                 reads = ", ".join(f"{section}.{k}" for k in kind.reads.get(section, ())) or "none"
                 raise ConfigError(f"{section}.{key} does not apply to model.policy={kind.name}: remove it (it is read "
-                                  f"by {' and '.join(n for n in names if n in others)} policies only; {kind.name} "
+                                  f"by {' and '.join(names)} policies only; {kind.name} "
                                   f"reads of {section}: {reads})")
     steps = "a flow transformer's denoising steps (model.policy=flow)"
     if t.context_parallel > 1 and not kind.denoises:
@@ -189,13 +188,13 @@ def _check_objective(cfg: Config) -> None:
     a, s, obj, name = cfg.algo, cfg.sampler, build_objective(cfg.algo), cfg.algo.objective.name
     loss = POLICY_LOSSES[name]
     if obj.actions != "forward":
-        _choice("sampler.kind", s.kind, SDE_KINDS)
+        choice("sampler.kind", s.kind, SDE_KINDS)
         kind = kind_of(cfg.model.policy)
         if getattr(loss, "flow_steps_only", False) and (not (kind and kind.denoises) or a.ratio != "none"):
             raise ConfigError(f"algo.objective.name={name} bounds the exact KL of flow SDE steps: use a flow policy "
                               f"and algo.ratio=none (its trust region replaces ratio transforms)")
         return
-    _choice("sampler.kind", s.kind, SDE_KINDS + ("ode",))
+    choice("sampler.kind", s.kind, SDE_KINDS + ("ode",))
     kind = kind_of(cfg.model.policy)
     if getattr(loss, "guidance", None) == "none" and kind is not None and kind.denoises and s.cfg_scale != 1.0:
         if "cfg_scale" in getattr(cfg, "_given", {}).get("sampler", ()):  # chosen: refused; the default: resolved

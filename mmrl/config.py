@@ -313,13 +313,13 @@ class Config:
         (policy, task, reward, algorithm pieces) are checked where they are resolved: mmrl.compose.check_choices."""
         self._resolve_split_rounds()  # before anything reads tree.split_steps
         self._validate_reward()
-        _choice("video.backend", self.video.backend, ("decord", "torchcodec"))
-        _choice("video.on_error", self.video.on_error, ("raise", "skip"))
+        choice("video.backend", self.video.backend, ("decord", "torchcodec"))
+        choice("video.on_error", self.video.on_error, ("raise", "skip"))
         if self.video.prefetch_workers < 0:
             raise ConfigError(f"video.prefetch_workers must be >= 0 (0 = no background decoding), got "
                               f"{self.video.prefetch_workers}")
-        _choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
-        _choice("model.reference", self.model.reference, ("auto", "none"))
+        choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
+        choice("model.reference", self.model.reference, ("auto", "none"))
         self._validate_train()
         self._validate_algo()
         self._validate_sampler()
@@ -377,18 +377,18 @@ class Config:
             raise ConfigError("reward.workers must be >= 0 and reward.overlap_chunks >= 1")
         if self.reward.workers and self.tree.split_steps:
             raise ConfigError("tree rollouts sample each prompt's tree in one pass: set reward.workers=0")
-        _choice("reward.on_error", self.reward.on_error, ("skip", "raise"))
+        choice("reward.on_error", self.reward.on_error, ("skip", "raise"))
 
     def _validate_train(self) -> None:
         t = self.train
-        _choice("train.parallel", t.parallel, ("none", "ddp", *SHARDED))
+        choice("train.parallel", t.parallel, ("none", "ddp", *SHARDED))
         if t.shard_size < 0:
             raise ConfigError(f"train.shard_size must be >= 0 (0 = the processes of one node), got {t.shard_size}")
         if t.shard_size and t.parallel != "hsdp":
             raise ConfigError(f"train.shard_size={t.shard_size} sets the shard group of train.parallel=hsdp; with "
                               f"train.parallel={t.parallel} set train.shard_size=0 (or train.parallel=hsdp)")
-        _choice("train.mixed_precision", t.mixed_precision, ("no", "bf16"))
-        _choice("train.cp_kind", t.cp_kind, ("ulysses", "ring"))
+        choice("train.mixed_precision", t.mixed_precision, ("no", "bf16"))
+        choice("train.cp_kind", t.cp_kind, ("ulysses", "ring"))
         if t.context_parallel < 1:
             raise ConfigError(f"train.context_parallel must be >= 1 (1 = off), got {t.context_parallel}")
         if t.compile and t.context_parallel > 1:
@@ -422,7 +422,7 @@ class Config:
                               f"[0.001, 0.5]), or [] for the current weights; got {t.sampling_ema}")
 
     def _validate_algo(self) -> None:
-        _choice("algo.adv_std", self.algo.adv_std, ("auto", "population", "sample"))
+        choice("algo.adv_std", self.algo.adv_std, ("auto", "population", "sample"))
         if self.algo.clip_ratio_c and self.algo.clip_ratio_c <= 1:
             raise ConfigError(f"algo.clip_ratio_c must be > 1 (dual-clip bound on -A r for A < 0; verl uses 3) or 0 "
                               f"(off), got {self.algo.clip_ratio_c}")
@@ -431,7 +431,7 @@ class Config:
         self._validate_objective_terms()
         if self.algo.kl_coef > 0 and self.model.reference == "none":
             raise ConfigError("algo.kl_coef > 0 needs a reference model: set model.reference=auto or algo.kl_coef=0")
-        _choice("algo.kl_reference", self.algo.kl_reference, ("base", "ema"))
+        choice("algo.kl_reference", self.algo.kl_reference, ("base", "ema"))
         if self.algo.kl_reference == "ema" and self.algo.kl_coef > 0 and self.train.ema_decay == 0:
             raise ConfigError("algo.kl_reference=ema takes the EMA of the trained weights as the reference: set "
                               "train.ema_decay (e.g. 0.9), or algo.kl_reference=base")
@@ -441,15 +441,15 @@ class Config:
         if len(s.sde_window_range) != 2:
             raise ConfigError(f"sampler.sde_window_range must be [lo, hi) window starts, e.g. [0, 4]; got "
                              f"{s.sde_window_range}")
-        _choice("sampler.logprob_reduce", s.logprob_reduce, ("mean", "sum"))
-        _choice("sampler.cfg_grad", s.cfg_grad, ("cond", "full"))
+        choice("sampler.logprob_reduce", s.logprob_reduce, ("mean", "sum"))
+        choice("sampler.cfg_grad", s.cfg_grad, ("cond", "full"))
         if s.num_steps < 2:
             raise ConfigError(f"sampler.num_steps must be >= 2 (the last step is never trained), got {s.num_steps}")
         if s.sde_window_size < 0 or s.sde_window_size > s.num_steps - 1:
             raise ConfigError(f"sampler.sde_window_size must be in [0, num_steps - 1 = {s.num_steps - 1}], "
                               f"got {s.sde_window_size}")
-        _choice("sampler.window_schedule", s.window_schedule, ("random", "sliding"))
-        _choice("sampler.ode_solver", s.ode_solver, ("euler", "dpm2m"))
+        choice("sampler.window_schedule", s.window_schedule, ("random", "sliding"))
+        choice("sampler.ode_solver", s.ode_solver, ("euler", "dpm2m"))
         if s.ode_stride < 1 or s.window_shift_every < 1 or s.forward_timesteps < 1:
             raise ConfigError("sampler.ode_stride, sampler.window_shift_every and sampler.forward_timesteps must be >= 1")
         r = s.forward_t_range
@@ -492,7 +492,7 @@ class Config:
 
     def _validate_tree(self) -> None:
         tr = self.tree
-        _choice("tree.width_prune", tr.width_prune, (0, 1, 2))
+        choice("tree.width_prune", tr.width_prune, (0, 1, 2))
         if not tr.split_steps:
             return
         leaves = tr.branch ** len(tr.split_steps)
@@ -553,8 +553,6 @@ def choice(key: str, value: Any, valid: tuple) -> None:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"{key}: invalid value {value!r}; valid: {list(valid)}{hint}")
 
-
-_choice = choice
 
 
 def flat(d: dict, prefix: str = "", whole: tuple[str, ...] = ()) -> dict:

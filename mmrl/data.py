@@ -133,6 +133,15 @@ def group_ids(batch_size: int, group_size: int) -> torch.Tensor:
     return torch.arange(batch_size).repeat_interleave(group_size)
 
 
+def whole_groups(rows: torch.Tensor, group_size: int) -> list[int]:
+    """The groups of `rows` [n], which must be whole groups (tree and branching rollouts sample a prompt at once)."""
+    groups = (rows[::group_size] // group_size).tolist()
+    if not torch.equal(rows, torch.tensor([g * group_size + j for g in groups for j in range(group_size)],
+                                          dtype=rows.dtype)):
+        raise ValueError("tree and per-step branching rollouts sample whole groups: rows must be whole groups")
+    return groups
+
+
 def stratified_minibatches(group_id: torch.Tensor, minibatches: int, generator: torch.Generator) -> list[torch.Tensor]:
     """The rows [n_m] of each of `minibatches` minibatches of one epoch, stratified by group: the rows are laid out
     group after group (by group id; a group's rows in a seeded random order) and dealt round-robin, so every

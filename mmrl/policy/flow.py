@@ -22,7 +22,7 @@ import torch
 
 from mmrl.cache import BoundedCache
 from mmrl.config import SHARDED
-from mmrl.data import PolicyOutput, Rollout, condition_images, group_ids, in_chunks, load_image
+from mmrl.data import PolicyOutput, Rollout, condition_images, group_ids, in_chunks, load_image, whole_groups
 from mmrl.errors import ConfigError
 from mmrl.policy.base import (PolicyDefaults, load_lora_adapter, save_lora_adapter, upcast_trainable,
                               write_policy_meta)
@@ -38,15 +38,6 @@ from mmrl.sampling.flow_sde import gaussian_log_prob, run_chain, step_mean_std, 
 from mmrl.seeds import derive_seed, row_seed
 
 WEIGHTS_FILE = "trainable.safetensors"
-
-
-def whole_groups(rows: torch.Tensor, group_size: int) -> list[int]:
-    """The groups of `rows` [n], which must be whole groups (tree and branching rollouts sample a prompt at once)."""
-    groups = (rows[::group_size] // group_size).tolist()
-    if not torch.equal(rows, torch.tensor([g * group_size + j for g in groups for j in range(group_size)],
-                                          dtype=rows.dtype)):
-        raise ValueError("tree and per-step branching rollouts sample whole groups: rows must be whole groups")
-    return groups
 log = logging.getLogger(__name__)
 
 
